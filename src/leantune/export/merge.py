@@ -1,0 +1,134 @@
+"""Merged export: base checkpoint + LoRA adapter -> a sharded HF safetensors checkpoint.
+
+Streams tensor by tensor through the base checkpoint's shards (host memory near one shard): each
+adapted projection gets W + scaling * B @ A, computed in fp32 and cast to the output dtype; every
+other tensor is copied. config.json, generation_config.json and tokenizer files come along, so
+`transformers.AutoModelForCausalLM.from_pretrained(OUT)` gives the fine-tuned model's logits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from ..errors import LeantuneError
+from ..lora.peft_io import ADAPTER_WEIGHTS, PREFIX, read_adapter_config
+from ..model.config import ModelConfig
+from ..model.loader import resolve_checkpoint, safetensors_files
+from ..utils.io import atomic_path, atomic_write_json
+
+SIDE_FILES = ["generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt",
+              "added_tokens.json", "chat_template.jinja", "chat_template.json"]
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _lora_deltas(adapter_dir: Path) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], float]:
+    from safetensors.torch import load_file
+
+    cfg = read_adapter_config(adapter_dir)
+    scaling = cfg.alpha / (cfg.r ** 0.5) if cfg.use_rslora else cfg.alpha / cfg.r
+    path = adapter_dir / ADAPTER_WEIGHTS
+    try:
+        tensors = load_file(str(path))
+    except Exception as e:
+        raise LeantuneError(f"{path}: cannot read adapter weights ({type(e).__name__})") from None
+    pairs: dict[str, list] = {}
+    for key, t in tensors.items():
+        name = key[len(PREFIX):] if key.startswith(PREFIX) else key
+        mod, _, which = name.replace(".default.", ".").rpartition(".lora_")
+        pairs.setdefault(mod + ".weight", [None, None])[0 if which.startswith("A") else 1] = t
+    for k, (a, b) in pairs.items():
+        if a is None or b is None:
+            raise LeantuneError(f"{path}: {k} has only one of lora_A / lora_B")
+    return {k: (a, b) for k, (a, b) in pairs.items()}, scaling
+
+
+def export_merged(model: str | os.PathLike, adapter_dir: str | os.PathLike | None,
+                  out_dir: str | os.PathLike, dtype: str | None = None,
+                  overwrite: bool = False, max_shard_bytes: int = 4 << 30) -> Path:
+    """Merge `adapter_dir` into `model` and write a HF checkpoint to `out_dir`.
+
+    Args:
+        model: base checkpoint folder or hub id.
+        adapter_dir: PEFT-format adapter (None copies the base, re-sharded).
+        out_dir: output folder (must be new or empty unless overwrite).
+        dtype: "bfloat16" | "float16" | "float32"; default: the base tensors' own dtype.
+        max_shard_bytes: size above which a new shard is started.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    src = resolve_checkpoint(model)
+    ModelConfig.from_file(src / "config.json")  # validates model_type
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise LeantuneError(f"{out}: output folder is not empty; choose a new folder or pass "
+                            "--overwrite")
+    out.mkdir(parents=True, exist_ok=True)
+    deltas, scaling = _lora_deltas(Path(adapter_dir)) if adapter_dir else ({}, 0.0)
+    out_dtype = _DTYPES[dtype] if dtype else None
+    # Plan the output shards from the tensors' shapes (no data read yet).
+    plan: list[list[tuple[Path, str]]] = [[]]
+    size = total = 0
+    for f in safetensors_files(src):
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            for key in sf.keys():
+                sl = sf.get_slice(key)
+                nbytes = _numel(sl.get_shape()) * (
+                    out_dtype.itemsize if out_dtype is not None and sl.get_dtype().startswith(("F", "BF"))
+                    else _itemsize(sl.get_dtype()))
+                if plan[-1] and size + nbytes > max_shard_bytes:
+                    plan.append([])
+                    size = 0
+                plan[-1].append((f, key))
+                size += nbytes
+                total += nbytes
+    weight_map, used = {}, set()
+    for i, entries in enumerate(plan):
+        name = f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors"
+        shard = {}
+        for f, key in entries:
+            with safe_open(str(f), framework="pt", device="cpu") as sf:
+                t = sf.get_tensor(key)
+            if key in deltas:
+                a, b = deltas[key]
+                t = (t.float() + (b.float() @ a.float()) * scaling).to(out_dtype or t.dtype)
+                used.add(key)
+            elif out_dtype is not None and t.is_floating_point():
+                t = t.to(out_dtype)
+            shard[key] = t.contiguous()
+            weight_map[key] = name
+        with atomic_path(out / name) as tmp:
+            save_file(shard, str(tmp), metadata={"format": "pt"})
+        del shard
+    unused = set(deltas) - used
+    if unused:
+        raise LeantuneError(f"{adapter_dir}: adapter layers not found in the base model "
+                            f"(e.g. {sorted(unused)[0]}); is it the adapter of another model?")
+    atomic_write_json(out / "model.safetensors.index.json",
+                          {"metadata": {"total_size": total}, "weight_map": weight_map})
+    config = json.loads((src / "config.json").read_text())
+    if out_dtype is not None:
+        config["torch_dtype" if "torch_dtype" in config else "dtype"] = dtype
+    atomic_write_json(out / "config.json", config)
+    for side in SIDE_FILES:
+        if (src / side).exists():
+            shutil.copyfile(src / side, out / side)
+    return out
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _itemsize(st_dtype: str) -> int:
+    return {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2,
+            "I16": 2, "U16": 2}.get(st_dtype, 1)

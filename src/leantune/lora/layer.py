@@ -1,0 +1,76 @@
+"""The projection layer of every attention and MLP block: a frozen (or trainable) base weight
+plus an optional LoRA adapter.
+
+    y = x @ W^T + b + dropout(x) @ A^T @ B^T * scaling,   A: [r, in], B: [out, r]
+
+Parameter names follow Hugging Face and PEFT (`weight`, `bias`, `lora_A.weight`, `lora_B.weight`),
+so a state dict maps one-to-one onto HF checkpoints and PEFT adapter files. The base weight is
+read only through `base_weight()`, the seam where a quantised (NF4) weight will dequantise.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class LoRALinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 device=None, dtype=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        self.bias = (nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
+                     if bias else None)
+        self.lora_A: nn.Linear | None = None
+        self.lora_B: nn.Linear | None = None
+        self.r = 0
+        self.scaling = 0.0
+        self.lora_dropout: nn.Module = nn.Identity()
+        self.merged = False
+
+    @property
+    def has_lora(self) -> bool:
+        return self.lora_A is not None
+
+    def base_weight(self) -> torch.Tensor:
+        """The dense base weight [out, in] (the NF4 seam: a quantised layer dequantises here)."""
+        return self.weight
+
+    def add_lora(self, r: int, alpha: float, dropout: float = 0.0, use_rslora: bool = False,
+                 dtype: torch.dtype | None = None) -> None:
+        """Attach a LoRA adapter of rank r. A: kaiming-uniform (as PEFT), B: zeros, so the
+        adapted layer starts equal to the base layer."""
+        dev = self.weight.device
+        dtype = dtype or self.weight.dtype
+        self.lora_A = nn.Linear(self.in_features, r, bias=False, device=dev, dtype=dtype)
+        self.lora_B = nn.Linear(r, self.out_features, bias=False, device=dev, dtype=dtype)
+        if dev.type != "meta":
+            nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+            nn.init.zeros_(self.lora_B.weight)
+        self.r = r
+        self.scaling = alpha / math.sqrt(r) if use_rslora else alpha / r
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., in] -> [..., out]."""
+        y = F.linear(x, self.base_weight(), self.bias)
+        if self.lora_A is not None and not self.merged:
+            y = y + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+        return y
+
+    @torch.no_grad()
+    def merged_weight(self) -> torch.Tensor:
+        """W + scaling * B @ A, computed in fp32 and cast back to the base dtype."""
+        w = self.base_weight()
+        if self.lora_A is None:
+            return w
+        delta = (self.lora_B.weight.float() @ self.lora_A.weight.float()) * self.scaling
+        return (w.float() + delta).to(w.dtype)
+
+    def extra_repr(self) -> str:
+        s = f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
+        return s + (f", lora_r={self.r}, scaling={self.scaling:g}" if self.has_lora else "")

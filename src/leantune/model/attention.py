@@ -1,0 +1,115 @@
+"""Attention over packed rows, chosen once per batch.
+
+Paths (the decision and all metadata are made once per forward in `AttentionMeta.build`, then
+reused by every layer; nothing here reads device memory back to the host):
+- "varlen": CUDA and torch.nn.attention.varlen.varlen_attn exists: flash attention over the
+  flattened B*T tokens with cu_seqlens; exact for packed rows, no padding waste.
+- "causal": every row is one document: plain causal SDPA.
+- "mask": elsewhere (CPU): SDPA with a block-diagonal causal boolean mask built from the host-side
+  segment lengths. Correct on any device; O(T^2) memory, so it is the fallback.
+Sliding-window layers (Mistral) attend to the previous `window` tokens including themselves.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+try:
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+    _VARLEN_PARAMS = set(inspect.signature(_varlen_attn).parameters)
+except Exception:  # torch < 2.10
+    _varlen_attn, _VARLEN_PARAMS = None, set()
+
+HAS_VARLEN = _varlen_attn is not None and "window_size" in _VARLEN_PARAMS
+
+_FORCED_PATH: str | None = None  # tests: force "mask" / "causal" / "varlen"
+
+
+def force_attention_path(path: str | None) -> None:
+    global _FORCED_PATH
+    _FORCED_PATH = path
+
+
+@dataclass
+class AttentionMeta:
+    """Per-batch attention metadata shared by all layers."""
+
+    path: str
+    cu_seqlens: torch.Tensor | None = None
+    max_seqlen: int = 0
+    masks: dict = field(default_factory=dict)  # window (None = full) -> bool mask [B, 1, T, T]
+
+    @classmethod
+    def build(cls, batch_shape: tuple[int, int], device: torch.device, seq_lens: list[int] | None,
+              cu_seqlens: torch.Tensor | None, max_seqlen: int,
+              windows: set) -> "AttentionMeta":
+        B, T = batch_shape
+        single_doc = seq_lens is None or len(seq_lens) == B
+        path = _FORCED_PATH
+        if path is None:
+            if device.type == "cuda" and HAS_VARLEN and (not single_doc or windows != {None}):
+                path = "varlen"
+            elif single_doc and windows == {None}:
+                path = "causal"
+            else:
+                path = "mask"
+        if path == "varlen":
+            if cu_seqlens is None:
+                seq_lens = seq_lens or [T] * B
+                cu_seqlens = _cu_from_lens(seq_lens, device)
+                max_seqlen = max(seq_lens)
+            return cls("varlen", cu_seqlens.to(device=device, dtype=torch.int32), max_seqlen)
+        if path == "causal":
+            return cls("causal")
+        # "mask": block-diagonal causal masks, one per distinct window, built on the host.
+        seq_lens = seq_lens or [T] * B
+        doc = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(seq_lens)).view(B, T)
+        pos = torch.arange(T)
+        causal = pos[None, :, None] >= pos[None, None, :]
+        same = doc[:, :, None] == doc[:, None, :]
+        masks = {}
+        for w in windows:
+            m = causal & same
+            if w is not None:
+                m = m & ((pos[:, None] - pos[None, :]) < w)[None]
+            masks[w] = m[:, None].to(device, non_blocking=True)
+        return cls("mask", masks=masks)
+
+
+def _cu_from_lens(seq_lens: list[int], device) -> torch.Tensor:
+    cu = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(seq_lens, dtype=torch.int32), 0)
+    return cu.to(device, non_blocking=True)
+
+
+def _sdpa(q, k, v, scale, **kw):
+    """q: [B, Hq, T, D], k/v: [B, Hk, T, D]; GQA by repeating kv heads where needed."""
+    if k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, scale=scale, **kw)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta,
+              window: int | None, scale: float) -> torch.Tensor:
+    """q: [B, T, Hq, D], k/v: [B, T, Hk, D] -> [B, T, Hq, D]."""
+    B, T, Hq, D = q.shape
+    if meta.path == "varlen":
+        kw = {"scale": scale, "window_size": (window - 1 if window else -1, 0)}
+        if "enable_gqa" in _VARLEN_PARAMS:
+            kw["enable_gqa"] = k.shape[2] != Hq
+        out = _varlen_attn(q.reshape(B * T, Hq, D), k.reshape(B * T, -1, D),
+                           v.reshape(B * T, -1, D), meta.cu_seqlens, meta.cu_seqlens,
+                           meta.max_seqlen, meta.max_seqlen, **kw)
+        return out.view(B, T, Hq, D)
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if meta.path == "causal":
+        out = _sdpa(qt, kt, vt, scale, is_causal=True)
+    else:
+        out = _sdpa(qt, kt, vt, scale, attn_mask=meta.masks[window])
+    return out.transpose(1, 2)

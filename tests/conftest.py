@@ -1,0 +1,17 @@
+"""Test setup. Triton kernels run on the CPU through the interpreter, so TRITON_INTERPRET must be
+set before any kernel module is imported (triton.jit reads it at decoration time)."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield

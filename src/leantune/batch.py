@@ -33,6 +33,7 @@ class PackedBatch:
         seq_lens: segment lengths as a Python list (host copy of diff(cu_seqlens)), used by the
             CPU attention path so it never reads device memory.
         num_target_tokens: number of labels != IGNORE_INDEX (Python int).
+        num_real_tokens: tokens that belong to documents, padding excluded (Python int).
     """
 
     input_ids: torch.Tensor
@@ -42,6 +43,7 @@ class PackedBatch:
     max_seqlen: int
     seq_lens: list[int] = field(default_factory=list)
     num_target_tokens: int = 0
+    num_real_tokens: int = 0
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -86,6 +88,7 @@ class PackedBatch:
         labels = torch.full((B, T), IGNORE_INDEX, dtype=torch.long)
         position_ids = torch.zeros((B, T), dtype=torch.long)
         seq_lens: list[int] = []
+        real = 0
         for b, row in enumerate(rows):
             t = 0
             for ids, lab in row:
@@ -97,6 +100,7 @@ class PackedBatch:
                 position_ids[b, t:t + n] = torch.arange(n)
                 seq_lens.append(n)
                 t += n
+                real += n
             if t < T:  # trailing padding is its own segment, positions 0..pad-1
                 position_ids[b, t:] = torch.arange(T - t)
                 seq_lens.append(T - t)
@@ -110,6 +114,7 @@ class PackedBatch:
             max_seqlen=max(seq_lens),
             seq_lens=seq_lens,
             num_target_tokens=int((labels != IGNORE_INDEX).sum()),
+            num_real_tokens=real,
         )
 
 

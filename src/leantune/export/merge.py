@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -19,11 +18,10 @@ from ..errors import LeantuneError
 from ..lora.peft_io import ADAPTER_WEIGHTS, PREFIX, read_adapter_config
 from ..model.config import ModelConfig
 from ..model.loader import resolve_checkpoint, safetensors_files
-from ..utils.io import atomic_path, atomic_write_json
+from ..utils.io import atomic_write_json
+from .full import copy_side_files
+from .shards import write_sharded
 
-SIDE_FILES = ["generation_config.json", "tokenizer.json", "tokenizer_config.json",
-              "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt",
-              "added_tokens.json", "chat_template.jinja", "chat_template.json"]
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -61,7 +59,6 @@ def export_merged(model: str | os.PathLike, adapter_dir: str | os.PathLike | Non
         max_shard_bytes: size above which a new shard is started.
     """
     from safetensors import safe_open
-    from safetensors.torch import save_file
 
     src = resolve_checkpoint(model)
     ModelConfig.from_file(src / "config.json")  # validates model_type
@@ -72,53 +69,38 @@ def export_merged(model: str | os.PathLike, adapter_dir: str | os.PathLike | Non
     out.mkdir(parents=True, exist_ok=True)
     deltas, scaling = _lora_deltas(Path(adapter_dir)) if adapter_dir else ({}, 0.0)
     out_dtype = _DTYPES[dtype] if dtype else None
-    # Plan the output shards from the tensors' shapes (no data read yet).
-    plan: list[list[tuple[Path, str]]] = [[]]
-    size = total = 0
+    entries, used = [], set()
     for f in safetensors_files(src):
         with safe_open(str(f), framework="pt", device="cpu") as sf:
             for key in sf.keys():
                 sl = sf.get_slice(key)
-                nbytes = _numel(sl.get_shape()) * (
-                    out_dtype.itemsize if out_dtype is not None and sl.get_dtype().startswith(("F", "BF"))
-                    else _itemsize(sl.get_dtype()))
-                if plan[-1] and size + nbytes > max_shard_bytes:
-                    plan.append([])
-                    size = 0
-                plan[-1].append((f, key))
-                size += nbytes
-                total += nbytes
-    weight_map, used = {}, set()
-    for i, entries in enumerate(plan):
-        name = f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors"
-        shard = {}
-        for f, key in entries:
-            with safe_open(str(f), framework="pt", device="cpu") as sf:
-                t = sf.get_tensor(key)
-            if key in deltas:
-                a, b = deltas[key]
-                t = (t.float() + (b.float() @ a.float()) * scaling).to(out_dtype or t.dtype)
-                used.add(key)
-            elif out_dtype is not None and t.is_floating_point():
-                t = t.to(out_dtype)
-            shard[key] = t.contiguous()
-            weight_map[key] = name
-        with atomic_path(out / name) as tmp:
-            save_file(shard, str(tmp), metadata={"format": "pt"})
-        del shard
+                is_float = sl.get_dtype().startswith(("F", "BF"))
+                itemsize = (out_dtype.itemsize if out_dtype is not None and is_float
+                            else _itemsize(sl.get_dtype()))
+                entries.append((key, _numel(sl.get_shape()) * itemsize,
+                                lambda f=f, key=key: _merged_tensor(f, key)))
+
+    def _merged_tensor(f: Path, key: str) -> torch.Tensor:
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            t = sf.get_tensor(key)
+        if key in deltas:
+            a, b = deltas[key]
+            used.add(key)
+            return (t.float() + (b.float() @ a.float()) * scaling).to(out_dtype or t.dtype)
+        if out_dtype is not None and t.is_floating_point():
+            return t.to(out_dtype)
+        return t
+
+    write_sharded(entries, out, max_shard_bytes)
     unused = set(deltas) - used
     if unused:
         raise LeantuneError(f"{adapter_dir}: adapter layers not found in the base model "
                             f"(e.g. {sorted(unused)[0]}); is it the adapter of another model?")
-    atomic_write_json(out / "model.safetensors.index.json",
-                          {"metadata": {"total_size": total}, "weight_map": weight_map})
     config = json.loads((src / "config.json").read_text())
     if out_dtype is not None:
         config["torch_dtype" if "torch_dtype" in config else "dtype"] = dtype
     atomic_write_json(out / "config.json", config)
-    for side in SIDE_FILES:
-        if (src / side).exists():
-            shutil.copyfile(src / side, out / side)
+    copy_side_files(src, out)
     return out
 
 

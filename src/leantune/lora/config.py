@@ -55,10 +55,12 @@ def lora_layers(model, targets: list[str] | None = None):
             yield name, mod
 
 
-def apply_lora(model, cfg: LoRAConfig, seed: int | None = None) -> list[str]:
+def apply_lora(model, cfg: LoRAConfig, seed: int | None = None,
+               dtype=None) -> list[str]:
     """Freeze the whole model and attach trainable LoRA adapters to the target projections.
 
-    Returns the names of the adapted modules."""
+    dtype: adapter parameter dtype (default: the base weight's; the trainer keeps fp32 masters
+    under a bf16/fp16 base). Returns the names of the adapted modules."""
     import torch
 
     if seed is not None:
@@ -67,7 +69,7 @@ def apply_lora(model, cfg: LoRAConfig, seed: int | None = None) -> list[str]:
         p.requires_grad_(False)
     names = []
     for name, layer in lora_layers(model, cfg.targets):
-        layer.add_lora(cfg.r, cfg.alpha, cfg.dropout, cfg.use_rslora)
+        layer.add_lora(cfg.r, cfg.alpha, cfg.dropout, cfg.use_rslora, dtype=dtype)
         names.append(name)
     model.lora_config = cfg
     return names

@@ -59,7 +59,10 @@ class LoRALinear(nn.Module):
         """x: [..., in] -> [..., out]."""
         y = F.linear(x, self.base_weight(), self.bias)
         if self.lora_A is not None and not self.merged:
-            y = y + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+            # Adapters may be kept in fp32 (master weights) under a bf16 base: compute in x.dtype.
+            a = self.lora_A.weight.to(x.dtype)
+            b = self.lora_B.weight.to(x.dtype)
+            y = y + F.linear(F.linear(self.lora_dropout(x), a), b) * self.scaling
         return y
 
     @torch.no_grad()

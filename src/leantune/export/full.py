@@ -1,0 +1,41 @@
+"""Saving a fully fine-tuned model as a Hugging Face checkpoint."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from ..utils.io import atomic_write_json
+from .shards import write_sharded
+
+TOKENIZER_FILES = ["generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                   "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt",
+                   "added_tokens.json", "chat_template.jinja", "chat_template.json"]
+
+
+def copy_side_files(src: Path | None, out: Path) -> None:
+    """Copy generation config and tokenizer files that exist in `src` to `out`."""
+    if src is None:
+        return
+    for name in TOKENIZER_FILES:
+        if (Path(src) / name).exists():
+            shutil.copyfile(Path(src) / name, out / name)
+
+
+def save_full_model(model, out: Path, source: Path | None = None,
+                    max_shard_bytes: int = 4 << 30) -> None:
+    """Write the model's weights (HF names) + config.json (+ side files from `source`)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    entries = []
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            continue
+        entries.append((name, p.numel() * p.element_size(),
+                        lambda p=p: p.detach().to("cpu")))
+    write_sharded(entries, out, max_shard_bytes)
+    config = dict(model.config.raw)
+    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    config["torch_dtype" if "torch_dtype" in config else "dtype"] = dtype
+    atomic_write_json(out / "config.json", config)
+    copy_side_files(source, out)

@@ -74,7 +74,8 @@ class Trainer:
 
         self.model = model if model is not None else load_model(cfg.model, dtype=self.dtype,
                                                                  device=self.device)
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
+        self.tokenizer = (tokenizer if tokenizer is not None or train_data is not None
+                          else load_tokenizer(cfg.model))
         self._setup_trainable()
         self._setup_data(train_data, eval_data)
         self._setup_optimizer()
@@ -131,9 +132,10 @@ class Trainer:
                             if eval_data is not None else None)
         per_epoch = max(1, len(self.loader) // cfg.grad_accum)
         self.total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * per_epoch))
-        self.log(f"data: {train_data.num_docs} documents -> {len(self.loader)} packed batches "
+        n_docs = getattr(train_data, "num_docs", None) or len(train_data)
+        self.log(f"data: {n_docs} documents -> {len(self.loader)} packed batches "
                  f"per epoch; {self.total_steps} optimizer steps"
-                 + (f"; eval: {eval_data.num_docs} documents" if eval_data is not None else ""))
+                 + (f"; eval: {len(eval_data)} documents" if eval_data is not None else ""))
 
     def _setup_optimizer(self) -> None:
         cfg = self.cfg

@@ -1,0 +1,143 @@
+"""Shared pieces of the benchmarks: building leantune and HF + PEFT models over ONE set of base
+weights (both freeze the base, so sharing is safe and costs no extra memory), identical LoRA
+initialisation, the baseline's training step, timing and FLOP counting."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from leantune.lora import LoRAConfig, apply_lora, lora_layers
+from leantune.model.config import ModelConfig
+from leantune.model.loader import build_empty
+
+from shapes import SHAPES
+
+H200_BF16_FLOPS = 790e12
+OUT = Path(os.environ.get("OUT", "bench-out"))
+
+
+def record(section: str, **fields) -> None:
+    """Append one result to $OUT/results.jsonl (read by report.py) and echo it."""
+    OUT.mkdir(parents=True, exist_ok=True)
+    row = {"section": section, **fields}
+    with open(OUT / "results.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+    print(json.dumps(row), flush=True)
+
+
+def hf_config(shape: str):
+    from transformers import LlamaConfig
+
+    d = dict(SHAPES[shape])
+    d.pop("model_type")
+    rope = d.pop("rope_scaling")
+    theta = d.pop("rope_theta")
+    cfg = LlamaConfig(**d)
+    # transformers 5 keeps rope settings in rope_parameters; 4.x in rope_scaling / rope_theta
+    if hasattr(cfg, "rope_parameters"):
+        cfg.rope_parameters = dict(rope, rope_theta=theta)
+    else:
+        cfg.rope_scaling, cfg.rope_theta = dict(rope), theta
+    return cfg
+
+
+def leantune_model(shape: str, device, dtype=torch.bfloat16, seed: int = 0):
+    """Random-init leantune model (normal(0, 0.02) drawn on the device)."""
+    cfg = ModelConfig.from_dict(hf_config(shape).to_dict())
+    model = build_empty(cfg, dtype, torch.device(device))
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+    return model
+
+
+def add_lora(model, r=16, alpha=16, seed=0):
+    torch.manual_seed(seed)
+    apply_lora(model, LoRAConfig(r=r, alpha=alpha), dtype=torch.float32)
+    return model
+
+
+def hf_peft_model(shape: str, base, device, gradient_checkpointing=True):
+    """transformers LlamaForCausalLM (SDPA) over `base`'s weights + PEFT LoRA with the same init."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    cfg = hf_config(shape)
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa",
+                                              dtype=torch.bfloat16)
+    state = {k: v for k, v in base.state_dict().items() if "lora_" not in k}
+    if cfg.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    hf.load_state_dict(state, assign=True, strict=False)
+    # non-persistent buffers (rotary inv_freq) are still on meta: rebuild them on the device
+    rotary = type(hf.model.rotary_emb)
+    hf.model.rotary_emb = rotary(config=cfg).to(device)
+    if cfg.tie_word_embeddings:
+        hf.lm_head.weight = hf.model.embed_tokens.weight
+    for n, b in hf.named_buffers():
+        assert b.device.type != "meta", n
+    for n, p in hf.named_parameters():
+        assert p.device.type != "meta", n
+    hf.config.use_cache = False
+    if gradient_checkpointing:
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    lcfg = base.lora_config
+    pm = get_peft_model(hf, LoraConfig(r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=0.0,
+                                       target_modules=targets, task_type="CAUSAL_LM"))
+    ours = dict(lora_layers(base))
+    with torch.no_grad():
+        for name, mod in pm.named_modules():
+            if hasattr(mod, "lora_A") and isinstance(getattr(mod, "lora_A"), torch.nn.ModuleDict):
+                key = name.replace("base_model.model.", "", 1)
+                src = ours[key]
+                mod.lora_A["default"].weight.copy_(src.lora_A.weight)
+                mod.lora_B["default"].weight.copy_(src.lora_B.weight)
+    return pm
+
+
+def trainable(model):
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def non_embedding_params(cfg: ModelConfig) -> int:
+    return cfg.num_params(include_embeddings=False)
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """LoRA step FLOPs per token as the issue defines MFU: 4 x non-embedding params (forward 2,
+    backward to the inputs 2; the frozen base needs no weight gradient) + attention (score and
+    value matmuls, causal: average context seq_len/2, forward 1x + backward 2x)."""
+    attn = 3 * 2 * 2 * (seq_len / 2) * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers
+    return 4 * non_embedding_params(cfg) + attn
+
+
+def cuda_time(fn, warmup: int, steps: int) -> list[float]:
+    """Wall seconds of each of `steps` calls after `warmup` calls, device-synchronised."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def median(xs):
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])

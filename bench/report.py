@@ -1,0 +1,45 @@
+"""Print the results of a GPU run ($OUT/results.jsonl) as short tables."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def main():
+    path = Path(sys.argv[1] if len(sys.argv) > 1 else os.environ.get("OUT", "bench-out")) / "results.jsonl"
+    rows = [json.loads(line) for line in open(path)] if path.exists() else []
+    for r in rows:
+        if r["section"] in ("env", "gpu_check"):
+            print(" ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()
+                           if k != "section"))
+    print("\n| kernel | triton fwd+bwd ms | eager fwd+bwd ms | speedup | extra peak GiB (triton/eager) | max rel err |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        if r["section"] == "kernel":
+            print(f"| {r['kernel']} | {r['triton_fwd_bwd_ms']:.3f} | {r['eager_fwd_bwd_ms']:.3f} | "
+                  f"{r['speedup']:.2f}x | {r['triton_extra_peak_gib']:.2f} / {r['eager_extra_peak_gib']:.2f} | "
+                  f"{r['max_rel_err']:.1e} |")
+    print("\n| shape | impl | ckpt | tok/s | peak GiB | MFU | vs HF |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        if r["section"] == "speed":
+            if "error" in r:
+                print(f"| {r['shape']} | {r['impl']} | {r['policy']} | {r['error']} | | | |")
+                continue
+            ratio = f"{r['ratio']:.2f}x" if r.get("ratio") else ""
+            print(f"| {r['shape']} | {r['impl']} | {r['policy']} | {r['tok_s']:,.0f} | "
+                  f"{r['peak_gib']:.2f} | {100 * r['mfu']:.1f}% | {ratio} |")
+    print("\n| shape | leantune tok/s | HF+PEFT tok/s | leantune peak | HF peak | max loss gap | first->last (ours) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        if r["section"] == "loss_curve":
+            print(f"| {r['shape']} | {r['ours_tok_s']:,.0f} | {r['hf_tok_s']:,.0f} | "
+                  f"{r['ours_peak_gib']:.2f} | {r['hf_peak_gib']:.2f} | {100 * r['max_rel_gap']:.3f}% | "
+                  f"{r['ours_first_last'][0]:.3f}->{r['ours_first_last'][1]:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Issue 3: the LoRA training step, leantune vs transformers + PEFT in the same run.
+
+Workload (as ../shared/ARCHITECTURE.md): random-init model of the named shape, bf16, LoRA r=16
+alpha=16 on q,k,v,o,gate,up,down, 4 rows x 2048 tokens of random ids, fused AdamW on the LoRA
+parameters, median of 8 steps after 3 warm-ups, peak = torch.cuda.max_memory_allocated.
+Baseline: transformers + PEFT, SDPA, non-reentrant gradient checkpointing, loss from
+model(input_ids, labels=...).
+
+    python bench/speed.py --shape llama-3.2-1b llama-3.1-8b --policies recompute none
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from harness import (H200_BF16_FLOPS, cuda_time, flops_per_token, hf_peft_model,  # noqa: E402
+                     leantune_model, median, record, trainable)
+
+from leantune.batch import IGNORE_INDEX, PackedBatch  # noqa: E402
+from leantune.train.config import TrainConfig  # noqa: E402
+from leantune.train.trainer import Trainer  # noqa: E402
+
+
+def random_batch(vocab: int, rows: int, seq: int, seed: int = 0) -> PackedBatch:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (rows, seq), generator=g)
+    docs = [[(r.tolist(), r[1:].tolist() + [IGNORE_INDEX])] for r in ids]
+    return PackedBatch.from_documents(docs, pad_to_multiple=1)
+
+
+def bench_ours(shape, batch, policy, warmup, steps, device):
+    base = leantune_model(shape, device)
+    cfg = TrainConfig(output=tempfile.mkdtemp(), max_seq_len=batch.input_ids.shape[1],
+                      batch_size=batch.input_ids.shape[0], lr=1e-4, warmup_steps=0,
+                      max_steps=steps, progress=False, eval_every=0, lora_r=16, lora_alpha=16,
+                      overwrite=True, device=str(device), checkpointing=policy)
+    docs = [(batch.input_ids[0].tolist(), batch.labels[0].tolist())]
+    trainer = Trainer(cfg, model=base, train_data=docs, log=lambda *a: None)
+    gpu_batch = batch.to(device)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = cuda_time(lambda: trainer.train_step([gpu_batch]), warmup, steps)
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    del trainer, base
+    torch.cuda.empty_cache()
+    return median(times), peak
+
+
+def bench_hf(shape, batch, warmup, steps, device):
+    from leantune.lora import LoRAConfig, apply_lora
+
+    base = leantune_model(shape, device)
+    apply_lora(base, LoRAConfig(r=16, alpha=16), dtype=torch.float32)
+    pm = hf_peft_model(shape, base, device, gradient_checkpointing=True)
+    pm.train()
+    params = trainable(pm)
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    ids = batch.input_ids.to(device)
+
+    def step():
+        out = pm(input_ids=ids, labels=ids)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = cuda_time(step, warmup, steps)
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    del pm, base, opt
+    torch.cuda.empty_cache()
+    return median(times), peak
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", nargs="+", default=["llama-3.2-1b", "llama-3.1-8b"])
+    ap.add_argument("--policies", nargs="+", default=["recompute"],
+                    help="leantune checkpointing policies to time (recompute | none)")
+    ap.add_argument("--rows", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--no-baseline", action="store_true")
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    from harness import hf_config
+    from leantune.model.config import ModelConfig
+
+    for shape in args.shape:
+        mcfg = ModelConfig.from_dict(hf_config(shape).to_dict())
+        batch = random_batch(mcfg.vocab_size, args.rows, args.seq)
+        tokens = args.rows * args.seq
+        fpt = flops_per_token(mcfg, args.seq)
+        hf = None
+        if not args.no_baseline:
+            t, peak = bench_hf(shape, batch, args.warmup, args.steps, device)
+            hf = tokens / t
+            record("speed", shape=shape, impl="hf+peft", policy="recompute", tok_s=hf,
+                   step_s=t, peak_gib=peak, mfu=fpt * hf / H200_BF16_FLOPS)
+        for policy in args.policies:
+            try:
+                t, peak = bench_ours(shape, batch, policy, args.warmup, args.steps, device)
+            except torch.OutOfMemoryError:
+                record("speed", shape=shape, impl="leantune", policy=policy, error="OOM")
+                torch.cuda.empty_cache()
+                continue
+            tok_s = tokens / t
+            record("speed", shape=shape, impl="leantune", policy=policy, tok_s=tok_s, step_s=t,
+                   peak_gib=peak, mfu=fpt * tok_s / H200_BF16_FLOPS,
+                   ratio=(tok_s / hf) if hf else None)
+
+
+if __name__ == "__main__":
+    main()

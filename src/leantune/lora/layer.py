@@ -16,6 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..kernels.lora import lora_linear
+
 
 class LoRALinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
@@ -57,13 +59,17 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., in] -> [..., out]."""
+        if self.lora_A is None or self.merged:
+            return F.linear(x, self.base_weight(), self.bias)
+        if isinstance(self.lora_dropout, nn.Identity) or not self.training:
+            # base matmul + LoRA product in one autograd Function (kernels/lora.py)
+            return lora_linear(x, self.base_weight(), self.bias, self.lora_A.weight,
+                               self.lora_B.weight, self.scaling)
+        # Adapters may be kept in fp32 (master weights) under a bf16 base: compute in x.dtype.
         y = F.linear(x, self.base_weight(), self.bias)
-        if self.lora_A is not None and not self.merged:
-            # Adapters may be kept in fp32 (master weights) under a bf16 base: compute in x.dtype.
-            a = self.lora_A.weight.to(x.dtype)
-            b = self.lora_B.weight.to(x.dtype)
-            y = y + F.linear(F.linear(self.lora_dropout(x), a), b) * self.scaling
-        return y
+        a = self.lora_A.weight.to(x.dtype)
+        b = self.lora_B.weight.to(x.dtype)
+        return y + F.linear(F.linear(self.lora_dropout(x), a), b) * self.scaling
 
     @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:

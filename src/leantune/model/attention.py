@@ -3,8 +3,9 @@
 Paths (the decision and all metadata are made once per forward in `AttentionMeta.build`, then
 reused by every layer; nothing here reads device memory back to the host):
 - "varlen": CUDA and torch.nn.attention.varlen.varlen_attn exists: flash attention over the
-  flattened B*T tokens with cu_seqlens; exact for packed rows, no padding waste.
-- "causal": every row is one document: plain causal SDPA.
+  flattened B*T tokens with cu_seqlens; exact for packed rows, native GQA (no repeated k/v), no
+  transposes. Used for single-document rows too (cu_seqlens at row boundaries).
+- "causal": every row is one document, no varlen: plain causal SDPA.
 - "mask": elsewhere (CPU): SDPA with a block-diagonal causal boolean mask built from the host-side
   segment lengths. Correct on any device; O(T^2) memory, so it is the fallback.
 Sliding-window layers (Mistral) attend to the previous `window` tokens including themselves.
@@ -51,7 +52,7 @@ class AttentionMeta:
         single_doc = seq_lens is None or len(seq_lens) == B
         path = _FORCED_PATH
         if path is None:
-            if device.type == "cuda" and HAS_VARLEN and (not single_doc or windows != {None}):
+            if device.type == "cuda" and HAS_VARLEN:
                 path = "varlen"
             elif single_doc and windows == {None}:
                 path = "causal"
@@ -86,8 +87,13 @@ def _cu_from_lens(seq_lens: list[int], device) -> torch.Tensor:
     return cu.to(device, non_blocking=True)
 
 
+_SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)  # enable_gqa kwarg
+
+
 def _sdpa(q, k, v, scale, **kw):
-    """q: [B, Hq, T, D], k/v: [B, Hk, T, D]; GQA by repeating kv heads where needed."""
+    """q: [B, Hq, T, D], k/v: [B, Hk, T, D]; GQA natively where SDPA supports it."""
+    if k.shape[1] != q.shape[1] and _SDPA_GQA and q.device.type == "cuda":
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True, **kw)
     if k.shape[1] != q.shape[1]:
         rep = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(rep, dim=1)

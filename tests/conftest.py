@@ -10,6 +10,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# The suite's tensors are tiny: one thread avoids oversubscription on small CI machines.
+torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def _seed():

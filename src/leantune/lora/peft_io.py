@@ -78,9 +78,16 @@ def read_adapter_config(adapter_dir: Path) -> LoRAConfig:
     targets = d.get("target_modules") or ALL_TARGETS
     if isinstance(targets, str):  # PEFT allows a regex string; we take the simple names in it
         targets = [t for t in ALL_TARGETS if t in targets]
-    return LoRAConfig(r=int(d["r"]), alpha=float(d.get("lora_alpha", d["r"])),
-                      dropout=float(d.get("lora_dropout", 0.0)), targets=targets,
-                      use_rslora=bool(d.get("use_rslora", False)))
+    try:
+        return LoRAConfig(r=int(d["r"]), alpha=float(d.get("lora_alpha", d["r"])),
+                          dropout=float(d.get("lora_dropout", 0.0)), targets=targets,
+                          use_rslora=bool(d.get("use_rslora", False)))
+    except KeyError as e:
+        raise LeantuneError(f"{path}: required field {e.args[0]!r} is missing") from None
+    except (TypeError, ValueError) as e:
+        raise LeantuneError(f"{path}: a field has an invalid value ({e})") from None
+    except LeantuneError as e:  # e.g. a target this model family has no LoRA layer for
+        raise LeantuneError(f"{path}: {e}") from None
 
 
 @torch.no_grad()

@@ -1,0 +1,176 @@
+"""Merged export: base + LoRA adapter -> a sharded HF checkpoint that transformers loads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import (
+    load_hf,
+    max_abs,
+    one_torch_thread,  # noqa: F401  (autouse)
+    save_checkpoint,
+    save_tiny_tokenizer,
+)
+from safetensors import safe_open
+
+import leantune
+from leantune import LeantuneError, LoRAConfig, apply_lora, export_merged, save_adapter
+
+TOL = 1e-4
+SHARD_BYTES = 20_000
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def trained(request, tmp_path_factory):
+    """(base folder, adapter folder, LoRA leantune model) for an untied and a tied family."""
+    family = request.param
+    root = tmp_path_factory.mktemp(f"export_{family}")
+    base, adapter = root / "base", root / "adapter"
+    save_checkpoint(family, base, seed=30)
+    save_tiny_tokenizer(base, vocab_size=leantune.ModelConfig.from_file(
+        base / "config.json").vocab_size)
+    model = leantune.load_model(base, device="cpu")
+    apply_lora(model, LoRAConfig(r=4, alpha=8, targets="q,k,v,o,gate,up,down"))
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(31)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    save_adapter(model, adapter, base_model_name=str(base))
+    return base, adapter, model.eval()
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(0, 101, (2, 12), generator=torch.Generator().manual_seed(8))
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def _tensors(folder) -> dict[str, tuple[str, object]]:
+    """key -> (shard file name, safetensors dtype string) over every shard in folder."""
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as sf:
+            for k in sf.keys():  # noqa: SIM118  (a safetensors handle, not a dict)
+                assert k not in out, f"{k} in two shards"
+                out[k] = (f.name, sf.get_slice(k).get_dtype())
+    return out
+
+
+def test_export_sharded_loads_in_transformers(trained, ids, tmp_path):
+    base, adapter, model = trained
+    out = export_merged(base, adapter, tmp_path / "merged", max_shard_bytes=SHARD_BYTES)
+    assert out == tmp_path / "merged"
+    shards = sorted(out.glob("*.safetensors"))
+    assert len(shards) > 1
+    assert [s.name for s in shards] == [
+        f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    tensors = _tensors(out)
+    assert index["weight_map"] == {k: shard for k, (shard, _) in tensors.items()}
+    total = 0
+    for s in shards:
+        with safe_open(str(s), "pt") as sf:
+            size = sum(sf.get_tensor(k).nbytes for k in sf.keys())  # noqa: SIM118
+            n = len(list(sf.keys()))
+        assert size <= SHARD_BYTES or n == 1  # a shard exceeds the limit only for one big tensor
+        total += size
+    assert index["metadata"]["total_size"] == total
+    assert json.loads((out / "config.json").read_text()) == json.loads(
+        (base / "config.json").read_text())
+    # Side files come along: generation config and the tokenizer.
+    for side in ["generation_config.json", "tokenizer.json", "tokenizer_config.json"]:
+        assert (base / side).exists()
+        assert (out / side).read_bytes() == (base / side).read_bytes(), side
+    assert not list(out.glob(".*tmp*"))  # no temporary files left behind
+
+    lora_logits = _logits(model, ids)
+    base_logits = _logits(load_hf(base), ids)
+    assert max_abs(lora_logits, base_logits) > 1e-2  # the merge has something to show
+    assert max_abs(_logits(load_hf(out), ids), lora_logits) < TOL
+    # The merged checkpoint also loads back into leantune, without LoRA.
+    merged = leantune.load_model(out, device="cpu").eval()
+    assert max_abs(_logits(merged, ids), lora_logits) < TOL
+
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    assert PreTrainedTokenizerFast.from_pretrained(out)("w3 w4 w5").input_ids == [3, 4, 5]
+    text = "w3 w4 w5 w2"
+    assert (AutoTokenizer.from_pretrained(out)(text).input_ids
+            == AutoTokenizer.from_pretrained(base)(text).input_ids)
+
+
+def test_export_without_adapter_copies_base(trained, ids, tmp_path):
+    base, _, _ = trained
+    out = export_merged(base, None, tmp_path / "copy", max_shard_bytes=SHARD_BYTES)
+    assert max_abs(_logits(load_hf(out), ids), _logits(load_hf(base), ids)) == 0.0
+
+
+def test_non_empty_output_without_overwrite_raises(trained, tmp_path):
+    base, adapter, _ = trained
+    out = tmp_path / "merged"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(LeantuneError) as e:
+        export_merged(base, adapter, out)
+    assert str(out) in str(e.value) and "not empty" in str(e.value)
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]  # nothing written
+    export_merged(base, adapter, out, overwrite=True, max_shard_bytes=SHARD_BYTES)
+    assert (out / "model.safetensors.index.json").exists()
+    assert (out / "keep.txt").read_text() == "mine"
+
+
+def test_empty_existing_output_is_fine(trained, tmp_path):
+    base, adapter, _ = trained
+    (tmp_path / "empty").mkdir()
+    export_merged(base, adapter, tmp_path / "empty")
+    assert (tmp_path / "empty" / "config.json").exists()
+
+
+def test_bfloat16_export(trained, ids, tmp_path):
+    base, adapter, model = trained
+    fp32 = export_merged(base, adapter, tmp_path / "fp32", max_shard_bytes=SHARD_BYTES)
+    bf16 = export_merged(base, adapter, tmp_path / "bf16", dtype="bfloat16",
+                         max_shard_bytes=SHARD_BYTES)
+    tensors = _tensors(bf16)
+    assert tensors and {dt for _, dt in tensors.values()} == {"BF16"}
+    assert {dt for _, dt in _tensors(fp32).values()} == {"F32"}
+    assert json.loads((bf16 / "config.json").read_text())["dtype"] == "bfloat16"
+    index = json.loads((bf16 / "model.safetensors.index.json").read_text())
+    assert index["weight_map"].keys() == tensors.keys()
+    # Each bf16 tensor is the fp32 merge rounded to bf16 (merged in fp32, cast once).
+    for key in tensors:
+        with safe_open(str(fp32 / _tensors(fp32)[key][0]), "pt") as a, \
+                safe_open(str(bf16 / tensors[key][0]), "pt") as b:
+            assert torch.equal(a.get_tensor(key).to(torch.bfloat16), b.get_tensor(key)), key
+    hf = load_hf(bf16)  # loads; bf16 weights run in fp32
+    assert max_abs(_logits(hf, ids), _logits(model, ids)) < 0.1
+
+
+def test_export_validates_inputs(trained, tmp_path):
+    base, adapter, _ = trained
+    with pytest.raises(LeantuneError, match="adapter_config.json"):
+        export_merged(base, tmp_path / "no_adapter", tmp_path / "o1")
+    with pytest.raises(LeantuneError, match="does not exist"):
+        export_merged(tmp_path / "no_model", adapter, tmp_path / "o2")
+
+
+def test_rslora_export_matches(trained, ids, tmp_path):
+    """rsLoRA scaling (alpha / sqrt(r)) is used by the merge too."""
+    base, _, _ = trained
+    model = leantune.load_model(base, device="cpu")
+    apply_lora(model, LoRAConfig(r=4, alpha=6, targets="q,v,down", use_rslora=True))
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(32)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    save_adapter(model, tmp_path / "adapter")
+    out = export_merged(base, tmp_path / "adapter", tmp_path / "merged")
+    assert max_abs(_logits(load_hf(out), ids), _logits(model.eval(), ids)) < TOL

@@ -57,6 +57,12 @@ class TrainConfig:
             if getattr(self, name) <= 0:
                 flag = "--" + name.replace("_", "-")
                 raise LeantuneError(f"{flag} must be a positive integer, got {getattr(self, name)}")
+        if self.log_every <= 0:
+            raise LeantuneError(f"--log-every must be a positive integer, got {self.log_every}")
+        for name in ("eval_every", "save_every", "warmup_steps", "keep_checkpoints"):
+            if getattr(self, name) < 0:
+                flag = "--" + name.replace("_", "-")
+                raise LeantuneError(f"{flag} must be 0 or more, got {getattr(self, name)}")
         if self.max_steps is not None and self.max_steps <= 0:
             raise LeantuneError(f"--max-steps must be a positive integer, got {self.max_steps}")
         if self.epochs <= 0:
@@ -98,5 +104,33 @@ def load_yaml_config(path: str) -> dict:
         if key not in TrainConfig.keys():
             raise LeantuneError(f"{p}: unknown option {k!r}; options are the `leantune train` "
                                 "flags without the leading dashes")
-        out[key] = v
+        out[key] = _coerce(p, k, key, v)
     return out
+
+
+def _coerce(path: Path, raw_key, key: str, value):
+    """Check a YAML value against the field's type. YAML 1.1 reads `1e-4` (no dot) as a string,
+    so numbers written as strings are converted; anything else of the wrong type is an error."""
+    kind = {f.name: str(f.type) for f in fields(TrainConfig)}[key]
+    if value is None:
+        if "None" in kind:
+            return None
+        raise LeantuneError(f"{path}: option {raw_key!r} needs a value")
+    want = kind.split("|")[0].strip()
+    if want == "bool":
+        if isinstance(value, bool):
+            return value
+    elif want in ("int", "float"):
+        conv = int if want == "int" else float
+        if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+            try:
+                out = conv(value)
+            except (ValueError, OverflowError):
+                pass
+            else:
+                if want == "float" or not isinstance(value, float) or value == out:
+                    return out
+    else:
+        return value
+    what = {"int": "an integer", "float": "a number", "bool": "true or false"}[want]
+    raise LeantuneError(f"{path}: option {raw_key!r} must be {what}, got {value!r}")

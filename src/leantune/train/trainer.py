@@ -14,6 +14,7 @@ batch means.
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import time
@@ -25,7 +26,15 @@ import torch
 from ..errors import LeantuneError
 from ..lora import LoRAConfig, apply_lora, save_adapter
 from ..model.loader import default_dtype, load_model
-from .checkpoint import CKPT_DIR, latest_checkpoint, load_checkpoint, save_checkpoint
+from ..utils.io import atomic_write_text
+from .checkpoint import (
+    CKPT_DIR,
+    _rng_state,
+    _set_rng_state,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from .config import TrainConfig
 from .metrics import MetricsWriter, Progress
 from .schedule import lr_factor
@@ -203,6 +212,8 @@ class Trainer:
     # --- the loop ------------------------------------------------------------------------------
     def train(self) -> TrainResult:
         cfg = self.cfg
+        if cfg.resume:  # drop records a crash left after the checkpoint: they are redone
+            drop_metrics_after(self.output / "metrics.jsonl", self.step)
         metrics = MetricsWriter(self.output / "metrics.jsonl", append=cfg.resume)
         progress = Progress(self.total_steps, initial=self.step, enabled=cfg.progress)
         if self.first_eval_loss is None:
@@ -216,9 +227,12 @@ class Trainer:
         last_loss, eval_loss = None, self.first_eval_loss
         t_start = time.perf_counter()
         tokens_run, start_step = 0, self.step
+        step_start = None
         try:
             while self.step < self.total_steps:
                 t0 = time.perf_counter()
+                # where this step starts: an interrupt before it ends checkpoints from here
+                step_start = (self.step, self.loader.state_dict(), _rng_state())
                 lr = self._set_lr(self.step)
                 window = [next(batches) for _ in range(cfg.grad_accum)]
                 loss, gnorm, ntok = self.train_step(window)
@@ -253,6 +267,11 @@ class Trainer:
                 progress.write(f"step {self.step}: eval loss {eval_loss:.4f}")
         except KeyboardInterrupt:
             progress.close()
+            if step_start is not None and step_start[0] == self.step:
+                # interrupted mid-step: its batches were drawn and its dropout RNG used, but no
+                # update was counted; rewind both so --resume redoes the step exactly
+                self.loader.load_state_dict(step_start[1])
+                _set_rng_state(step_start[2])
             path = self.save_checkpoint()
             metrics.close()
             raise LeantuneError(f"interrupted at step {self.step}; checkpoint saved to {path}; "
@@ -281,6 +300,23 @@ class Trainer:
             save_adapter(self.model, self.output, base_model_name=self.cfg.model)
         if self.tokenizer is not None and hasattr(self.tokenizer, "save_pretrained"):
             self.tokenizer.save_pretrained(str(self.output))
+
+
+def drop_metrics_after(path: Path, step: int) -> None:
+    """Keep only the records of steps <= `step` in metrics.jsonl (resuming from `step`)."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    keep = []
+    for line in lines:
+        try:
+            if json.loads(line).get("step", 0) > step:
+                continue
+        except (ValueError, AttributeError):
+            continue  # a line cut short by the crash
+        keep.append(line if line.endswith("\n") else line + "\n")
+    if len(keep) != len(lines):
+        atomic_write_text(path, "".join(keep))
 
 
 def peak_memory_gib(device: torch.device) -> float:

@@ -80,6 +80,13 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = _DTYPES[cfg.dtype] if cfg.dtype else default_dtype(self.device)
+        # Cheap checks first, so a typo fails before a large model is loaded.
+        if not cfg.full:
+            LoRAConfig(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+                       targets=cfg.lora_targets)
+        for flag, path in (("--data", cfg.data), ("--eval-data", cfg.eval_data)):
+            if path and train_data is None and not Path(path).exists():
+                raise LeantuneError(f"{path}: data file not found; check the {flag} path")
 
         self.model = model if model is not None else load_model(cfg.model, dtype=self.dtype,
                                                                  device=self.device)

@@ -1,0 +1,163 @@
+"""Gated MLP activations: SwiGLU silu(g) * u and GeGLU gelu(g) * u (exact or tanh).
+
+The fused version is one elementwise Triton kernel each way, computing in fp32:
+  forward   out = act(g) * u; saves only g and u (no activation tensor is kept);
+  backward  recomputes act(g) and act'(g) and writes
+                d_gate = dy * u * act'(g),   d_up = dy * act(g)
+            IN PLACE into the saved g and u buffers, so backward allocates nothing.
+In the model g and u are the fresh outputs of gate_proj / up_proj, which nothing else reads. A
+buffer is only overwritten when it is an autograd intermediate (it has a grad_fn) or a copy this
+op made (non-contiguous input); leaves and plain user tensors get fresh gradient tensors. After
+backward the saved buffers hold gradients, so their version counters are bumped: a second backward
+through the same graph (retain_graph=True) raises autograd's usual in-place error rather than
+silently using overwritten values.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .dispatch import use_triton
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the package works without Triton (reference path only)
+    triton = None
+
+_SILU, _GELU_TANH, _GELU_ERF = 0, 1, 2
+_BLOCK = 1024     # elements per program: 8 per thread at 4 warps -> 16-byte bf16 accesses
+_NUM_WARPS = 4
+
+
+def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def geglu_reference(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    return F.gelu(gate, approximate=approximate) * up
+
+
+# ------------------------------------------------------------------------------------------------
+# Triton kernels
+# ------------------------------------------------------------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _tanh(x):
+        # 1 - 2 / (e^{2x} + 1); |x| clamped at 15, where tanh is +-1 in fp32 (no inf).
+        x = tl.minimum(tl.maximum(x, -15.0), 15.0)
+        return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+    @triton.jit
+    def _act_and_grad(g, ACT: tl.constexpr):
+        """act(g) and d act / d g, fp32 in and out."""
+        if ACT == 0:  # silu: g * sigmoid(g)
+            s = tl.sigmoid(g)
+            a = g * s
+            da = s * (1.0 + g * (1.0 - s))
+        elif ACT == 1:  # gelu, tanh approximation
+            k0: tl.constexpr = 0.7978845608028654  # sqrt(2 / pi)
+            k1: tl.constexpr = 0.044715
+            t = _tanh(k0 * (g + k1 * g * g * g))
+            a = 0.5 * g * (1.0 + t)
+            da = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * k0 * (1.0 + 3.0 * k1 * g * g)
+        else:  # gelu, exact (erf)
+            cdf = 0.5 * (1.0 + tl.math.erf(g * 0.7071067811865476))
+            a = g * cdf
+            da = cdf + g * tl.exp(-0.5 * g * g) * 0.3989422804014327  # + g * pdf(g)
+        return a, da
+
+    @triton.jit
+    def _glu_fwd_kernel(G, U, OUT, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
+        a, _ = _act_and_grad(g, ACT)
+        tl.store(OUT + offs, (a * u).to(OUT.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _glu_bwd_kernel(DY, G, U, DG, DU, n, ACT: tl.constexpr, BLOCK: tl.constexpr,
+                        NEED_DG: tl.constexpr, NEED_DU: tl.constexpr):
+        """DG/DU may alias G/U (in place): each element is read before it is written."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
+        a, da = _act_and_grad(g, ACT)
+        if NEED_DG:
+            tl.store(DG + offs, (dy * u * da).to(DG.dtype.element_ty), mask=mask)
+        if NEED_DU:
+            tl.store(DU + offs, (dy * a).to(DU.dtype.element_ty), mask=mask)
+
+
+def _flat(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(contiguous tensor, whether it is a copy made here)."""
+    return (t, False) if t.is_contiguous() else (t.contiguous(), True)
+
+
+class _GLUFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up, act):
+        if gate.shape != up.shape:
+            raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape")
+        g, g_copied = _flat(gate)
+        u, u_copied = _flat(up)
+        out = torch.empty_like(g, dtype=torch.result_type(gate, up))
+        n = g.numel()
+        if n:
+            _glu_fwd_kernel[(triton.cdiv(n, _BLOCK),)](g, u, out, n, ACT=act, BLOCK=_BLOCK,
+                                                       num_warps=_NUM_WARPS)
+        ctx.save_for_backward(g, u)
+        ctx.act = act
+        # May backward overwrite the saved buffers? (module docstring)
+        ctx.g_writable = g_copied or gate.grad_fn is not None
+        ctx.u_writable = (u_copied or up.grad_fn is not None) and u.data_ptr() != g.data_ptr()
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        g, u = ctx.saved_tensors
+        need_dg, need_du = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dy = dy.contiguous()
+        # In place where allowed (and dtypes match: the grad has the input's dtype).
+        dg = (g if ctx.g_writable else torch.empty_like(g)) if need_dg else None
+        du = (u if ctx.u_writable else torch.empty_like(u)) if need_du else None
+        n = g.numel()
+        if n and (need_dg or need_du):
+            _glu_bwd_kernel[(triton.cdiv(n, _BLOCK),)](
+                dy, g, u, dg if need_dg else g, du if need_du else u, n, ACT=ctx.act,
+                BLOCK=_BLOCK, NEED_DG=need_dg, NEED_DU=need_du, num_warps=_NUM_WARPS)
+            for t in (dg, du):
+                if t is g or t is u:
+                    torch.autograd.graph.increment_version(t)
+        return dg, du, None
+
+
+def swiglu_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Fused silu(gate) * up; gate/up: [..., I] (same shape). Backward is in place (docstring)."""
+    return _GLUFunction.apply(gate, up, _SILU)
+
+
+def geglu_triton(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    """Fused gelu(gate) * up, approximate 'tanh' or 'none' (erf)."""
+    if approximate not in ("tanh", "none"):
+        raise ValueError(f"approximate must be 'tanh' or 'none', got {approximate!r}")
+    return _GLUFunction.apply(gate, up, _GELU_TANH if approximate == "tanh" else _GELU_ERF)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, gate/up: [..., I]. Triton kernel or reference, per `dispatch.use_triton`."""
+    if use_triton(gate):
+        return swiglu_triton(gate, up)
+    return swiglu_reference(gate, up)
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    """gelu(gate, approximate) * up, gate/up: [..., I]. Triton or reference, per `use_triton`."""
+    if use_triton(gate):
+        return geglu_triton(gate, up, approximate)
+    return geglu_reference(gate, up, approximate)

@@ -47,7 +47,6 @@ def bench_ours(shape, batch, policy, warmup, steps, device):
     torch.cuda.reset_peak_memory_stats()
     times = cuda_time(lambda: trainer.train_step([gpu_batch]), warmup, steps)
     peak = torch.cuda.max_memory_allocated() / 2**30
-    del trainer, base
     torch.cuda.empty_cache()
     return median(times), peak
 
@@ -74,7 +73,6 @@ def bench_hf(shape, batch, warmup, steps, device):
     torch.cuda.reset_peak_memory_stats()
     times = cuda_time(step, warmup, steps)
     peak = torch.cuda.max_memory_allocated() / 2**30
-    del pm, base, opt
     torch.cuda.empty_cache()
     return median(times), peak
 

@@ -5,7 +5,7 @@
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-bench-out}; export OUT; mkdir -p "$OUT"
-pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || export PYTHONPATH=$PWD/src
+export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
 parts=${*:-"checks kernels speed loss"}
 for p in $parts; do
   case $p in

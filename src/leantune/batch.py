@@ -64,7 +64,8 @@ class PackedBatch:
         for f in fields(self):
             v = getattr(self, f.name)
             if isinstance(v, torch.Tensor):
-                if non_blocking and torch.device(device).type == "cuda" and not v.is_pinned():
+                if (non_blocking and torch.device(device).type == "cuda" and v.device.type == "cpu"
+                        and not v.is_pinned()):
                     v = v.pin_memory()
                 v = v.to(device, non_blocking=non_blocking)
             out[f.name] = v

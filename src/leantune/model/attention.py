@@ -47,12 +47,13 @@ class AttentionMeta:
     @classmethod
     def build(cls, batch_shape: tuple[int, int], device: torch.device, seq_lens: list[int] | None,
               cu_seqlens: torch.Tensor | None, max_seqlen: int,
-              windows: set) -> "AttentionMeta":
+              windows: set, dtype: torch.dtype = torch.bfloat16) -> "AttentionMeta":
         B, T = batch_shape
         single_doc = seq_lens is None or len(seq_lens) == B
         path = _FORCED_PATH
         if path is None:
-            if device.type == "cuda" and HAS_VARLEN:
+            # flash attention (varlen) runs in fp16/bf16 only; fp32 on CUDA takes SDPA
+            if device.type == "cuda" and HAS_VARLEN and dtype in (torch.float16, torch.bfloat16):
                 path = "varlen"
             elif single_doc and windows == {None}:
                 path = "causal"

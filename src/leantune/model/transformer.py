@@ -177,7 +177,7 @@ class CausalLM(nn.Module):
             seq_lens=batch.seq_lens if batch is not None else None,
             cu_seqlens=batch.cu_seqlens if batch is not None else None,
             max_seqlen=batch.max_seqlen if batch is not None else T,
-            windows=windows)
+            windows=windows, dtype=x.dtype)
         for layer, ckpt in zip(self.model.layers, self.checkpoint_fns):
             x = layer(x, cos, sin, meta) if ckpt is None else ckpt(layer, x, cos, sin, meta)
         return self.model.norm(x)

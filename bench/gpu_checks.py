@@ -55,7 +55,7 @@ def main():
             b = PackedBatch.from_documents(rows).to(dev)
             results = {}
             for path in ("varlen", "mask"):
-                if path == "varlen" and not attn.HAS_VARLEN:
+                if path == "varlen" and (not attn.HAS_VARLEN or dtype == torch.float32):
                     continue
                 attn.force_attention_path(path)
                 with torch.no_grad():

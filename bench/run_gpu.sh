@@ -11,8 +11,8 @@ for p in $parts; do
   case $p in
     checks)  timeout 120 python bench/gpu_checks.py 2>&1 | tee -a "$OUT/log.txt" | tail -n 30 ;;
     kernels) timeout 150 python bench/kernels.py 2>&1 | tee -a "$OUT/log.txt" | tail -n 10 ;;
-    speed)   timeout 300 python bench/speed.py --policies recompute none 2>&1 | tee -a "$OUT/log.txt" | tail -n 10 ;;
-    loss)    timeout 300 python bench/loss_curve.py 2>&1 | tee -a "$OUT/log.txt" | tail -n 6 ;;
+    speed)   timeout 420 python bench/speed.py --policies recompute none ${SPEED_POLICIES:-} 2>&1 | tee -a "$OUT/log.txt" | tail -n 10 ;;
+    loss)    timeout 300 python bench/loss_curve.py ${LOSS_ARGS:-} 2>&1 | tee -a "$OUT/log.txt" | tail -n 6 ;;
   esac
 done
 python bench/report.py "$OUT"

@@ -35,11 +35,16 @@ def random_batch(vocab: int, rows: int, seq: int, seed: int = 0) -> PackedBatch:
 
 
 def bench_ours(shape, batch, policy, warmup, steps, device):
+    """policy: "recompute" | "none" | "auto@GiB" (memory-budgeted), optionally "+compile"."""
     base = leantune_model(shape, device)
+    ckpt, _, extra = policy.partition("+")
+    ckpt, _, budget = ckpt.partition("@")
     cfg = TrainConfig(output=tempfile.mkdtemp(), max_seq_len=batch.input_ids.shape[1],
                       batch_size=batch.input_ids.shape[0], lr=1e-4, warmup_steps=0,
                       max_steps=steps, progress=False, eval_every=0, lora_r=16, lora_alpha=16,
-                      overwrite=True, device=str(device), checkpointing=policy)
+                      overwrite=True, device=str(device), checkpointing=ckpt,
+                      max_memory_gib=float(budget) if budget else None,
+                      compile=extra == "compile")
     docs = [(batch.input_ids[0].tolist(), batch.labels[0].tolist())]
     trainer = Trainer(cfg, model=base, train_data=docs, log=lambda *a: None)
     gpu_batch = batch.to(device)
@@ -47,6 +52,7 @@ def bench_ours(shape, batch, policy, warmup, steps, device):
     torch.cuda.reset_peak_memory_stats()
     times = cuda_time(lambda: trainer.train_step([gpu_batch]), warmup, steps)
     peak = torch.cuda.max_memory_allocated() / 2**30
+    print(f"{shape} {policy}: {trainer.checkpoint_policy}", flush=True)
     torch.cuda.empty_cache()
     return median(times), peak
 
@@ -106,8 +112,9 @@ def main():
         for policy in args.policies:
             try:
                 t, peak = bench_ours(shape, batch, policy, args.warmup, args.steps, device)
-            except torch.OutOfMemoryError:
-                record("speed", shape=shape, impl="leantune", policy=policy, error="OOM")
+            except Exception as e:  # OOM, or a compile failure: record it and go on
+                record("speed", shape=shape, impl="leantune", policy=policy,
+                       error=f"{type(e).__name__}: {str(e)[:200]}")
                 torch.cuda.empty_cache()
                 continue
             tok_s = tokens / t

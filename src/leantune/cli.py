@@ -55,7 +55,10 @@ def _train_parser(sub) -> None:
     a("--device", help="cuda, cuda:1, cpu (default: cuda if available)")
     a("--dtype", choices=["bfloat16", "float16", "float32"], help="default: by device")
     a("--checkpointing", choices=["auto", "none", "recompute"],
-      help="activation checkpointing (auto: recompute on GPU, none on CPU)")
+      help="activation checkpointing; auto (default): on GPU, keep as many layers' activations "
+           "as fit --max-memory-gib and recompute the rest; none on CPU")
+    a("--max-memory-gib", type=float, help="GPU memory the run may use (default: the GPU's)")
+    a("--compile", action="store_true", default=None, help="torch.compile each decoder layer")
     a("--log-every", type=int, help="log every N steps (default 1)")
     a("--no-progress", dest="progress", action="store_false", default=None)
 

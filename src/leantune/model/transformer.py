@@ -137,6 +137,11 @@ class CausalLM(nn.Module):
         flags = enabled if isinstance(enabled, list) else [enabled] * len(self.checkpoint_fns)
         self.checkpoint_fns = [_recompute if f else None for f in flags]
 
+    def compile_layers(self, **kwargs) -> None:
+        """torch.compile each decoder layer as one region (layers share the compiled code)."""
+        for layer in self.model.layers:
+            layer.compile(**kwargs)
+
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, seed: int | None = None) -> None:
         """Random init as transformers does (normal(0, std) linears/embeddings, norms = 1)."""

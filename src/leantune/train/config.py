@@ -43,6 +43,8 @@ class TrainConfig:
     device: str | None = None  # default cuda if available
     dtype: str | None = None  # bfloat16 | float16 | float32; default by device
     checkpointing: str = "auto"  # auto | none | recompute
+    max_memory_gib: float | None = None  # GPU memory the run may use (auto checkpointing)
+    compile: bool = False  # torch.compile each decoder layer
     progress: bool = True
     extra: dict = field(default_factory=dict, repr=False)
 

@@ -112,13 +112,26 @@ class Trainer:
                               targets=cfg.lora_targets, use_rslora=cfg.use_rslora)
             # fp32 adapter masters under a half-precision base
             apply_lora(m, lcfg, seed=cfg.seed, dtype=torch.float32)
-        policy = cfg.checkpointing
-        if policy == "auto":
-            policy = "recompute" if self.device.type == "cuda" else "none"
-        m.set_checkpointing(policy == "recompute")
-        self.checkpoint_policy = policy
-        m.train()
         self.params = [p for p in m.parameters() if p.requires_grad]
+        policy = cfg.checkpointing
+        if policy == "auto" and self.device.type == "cuda":
+            from .memory import checkpoint_plan, gpu_budget_bytes
+
+            # fixed: weights (allocated now) + fp32 grads and two AdamW moments of trainables
+            fixed = torch.cuda.memory_allocated(self.device) + sum(
+                3 * 4 * p.numel() for p in self.params)
+            plan = checkpoint_plan(m.config, cfg.batch_size * cfg.max_seq_len,
+                                   gpu_budget_bytes(self.device, cfg.max_memory_gib), fixed)
+            m.set_checkpointing(plan)
+            policy = f"auto ({sum(plan)} of {len(plan)} layers recomputed)"
+        else:
+            if policy == "auto":
+                policy = "none"
+            m.set_checkpointing(policy == "recompute")
+        self.checkpoint_policy = policy
+        if cfg.compile:
+            m.compile_layers()
+        m.train()
         n_train = sum(p.numel() for p in self.params)
         n_all = sum(p.numel() for p in m.parameters())
         self.log(f"trainable parameters: {n_train:,} of {n_all:,} ({100 * n_train / n_all:.2f}%)"

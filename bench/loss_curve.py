@@ -30,13 +30,17 @@ from leantune.train.trainer import Trainer  # noqa: E402
 
 
 def make_documents(n_docs: int, vocab: int, seed: int, lo=64, hi=1024):
-    """Documents with learnable structure: a random motif of 8..64 ids repeated to the length.
-    Labels: next token everywhere (shifted within the document)."""
+    """Documents with learnable structure: a motif of 8..64 ids repeated to the document's
+    length, ids drawn from a Zipf-like distribution over the first 2000 ids (so that both
+    global frequencies and in-context copying can be learned). Labels: the next token within
+    the document."""
     rng = random.Random(seed)
+    pool = list(range(3, min(vocab, 2003)))
+    weights = [1.0 / (r + 1) ** 1.1 for r in range(len(pool))]
     docs = []
     for _ in range(n_docs):
         n = rng.randint(lo, hi)
-        motif = [rng.randrange(3, vocab) for _ in range(rng.randint(8, 64))]
+        motif = rng.choices(pool, weights, k=rng.randint(8, 64))
         ids = [motif[i % len(motif)] for i in range(n)]
         labels = ids[1:] + [IGNORE_INDEX]
         docs.append((ids, labels))

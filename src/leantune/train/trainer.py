@@ -80,6 +80,10 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = _DTYPES[cfg.dtype] if cfg.dtype else default_dtype(self.device)
+        if cfg.full and self.dtype == torch.float16:
+            raise LeantuneError("--full with float16 weights is not supported (no fp32 master "
+                                "weights for loss scaling); use --dtype float32, or bfloat16 on "
+                                "a GPU that has it")
         # Cheap checks first, so a typo fails before a large model is loaded.
         if not cfg.full:
             LoRAConfig(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,

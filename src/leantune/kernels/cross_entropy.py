@@ -60,11 +60,7 @@ def linear_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor, l
 # ------------------------------------------------------------------------------------------------
 if triton is not None:
 
-    @triton.jit
-    def _tanh(x):
-        # 1 - 2 / (e^{2x} + 1); |x| clamped at 15, where tanh is +-1 in fp32 (no inf).
-        x = tl.minimum(tl.maximum(x, -15.0), 15.0)
-        return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+    from .triton_math import tanh as _tanh
 
     @triton.jit
     def _ce_rows_kernel(LOGITS, stride_row, LABELS, LOSS, V, ignore_index, softcap,

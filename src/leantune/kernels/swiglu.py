@@ -44,11 +44,7 @@ def geglu_reference(gate: torch.Tensor, up: torch.Tensor, approximate: str = "ta
 # ------------------------------------------------------------------------------------------------
 if triton is not None:
 
-    @triton.jit
-    def _tanh(x):
-        # 1 - 2 / (e^{2x} + 1); |x| clamped at 15, where tanh is +-1 in fp32 (no inf).
-        x = tl.minimum(tl.maximum(x, -15.0), 15.0)
-        return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+    from .triton_math import tanh as _tanh
 
     @triton.jit
     def _act_and_grad(g, ACT: tl.constexpr):

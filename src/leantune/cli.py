@@ -94,7 +94,7 @@ def cmd_train(args) -> int:
     cfg, demo = _config_from_args(args)
     if demo:
         print("leantune demo: no --model/--data given, so fine-tuning the tiny Llama model bundled "
-              "with leantune on its bundled instruction data (CPU-friendly, ~2 minutes).")
+              "with leantune on its bundled instruction data (CPU-friendly: under a minute on 2 cores).")
     trainer = Trainer(cfg)
     result = trainer.train()
     out = Path(cfg.output)

@@ -243,6 +243,18 @@ def test_flag_errors(tiny_ckpt, alpaca_file, tmp_path, capsys, extra, expect):  
     assert expect in line
 
 
+def test_device_errors(tiny_ckpt, alpaca_file, tmp_path, capsys):  # noqa: F811
+    def err(device):
+        return one_line_error(capsys, "--model", tiny_ckpt, "--data", alpaca_file, "--output",
+                              tmp_path / "out", "--max-steps", 1, "--no-progress",
+                              "--device", device)
+
+    assert "--device 'gpu0' is not a device" in err("gpu0")
+    if not torch.cuda.is_available():
+        assert "--device cuda:1: torch sees no CUDA GPU" in err("cuda:1")
+    assert not (tmp_path / "out").exists()  # flags are checked before the output is touched
+
+
 def test_model_and_data_go_together(tiny_ckpt, alpaca_file, tmp_path, capsys):  # noqa: F811
     line = one_line_error(capsys, "--model", tiny_ckpt, "--output", tmp_path / "out")
     assert "--data is required" in line

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from helpers import (
     save_tiny_tokenizer,
 )
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 import leantune
 from leantune import LeantuneError, LoRAConfig, apply_lora, export_merged, save_adapter
@@ -174,3 +176,39 @@ def test_rslora_export_matches(trained, ids, tmp_path):
     save_adapter(model, tmp_path / "adapter")
     out = export_merged(base, tmp_path / "adapter", tmp_path / "merged")
     assert max_abs(_logits(load_hf(out), ids), _logits(model.eval(), ids)) < TOL
+
+
+def test_dtype_is_recorded_under_every_dtype_key(tmp_path):
+    """transformers reads `dtype` before the legacy `torch_dtype`; a config carrying both (as the
+    bundled demo model's does) must get the new dtype under both, or it loads in the old one."""
+    from transformers import AutoConfig
+
+    from leantune import assets
+
+    base = assets.path("tiny-llama")
+    src = json.loads((base / "config.json").read_text())
+    assert src["dtype"] == src["torch_dtype"] == "bfloat16"
+    out = export_merged(base, None, tmp_path / "fp32", dtype="float32")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["dtype"] == cfg["torch_dtype"] == "float32"
+    assert AutoConfig.from_pretrained(out).dtype == torch.float32
+
+
+def test_adapter_of_another_model_writes_nothing(trained, tmp_path):
+    base, adapter, _ = trained
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    key = next(k for k in tensors if k.endswith("q_proj.lora_A.weight"))
+    cases = {
+        "renamed": ({k.replace("layers.0.", "layers.9."): v for k, v in tensors.items()},
+                    "not found in the base model"),
+        "reshaped": ({**tensors, key: tensors[key][:, :-1].contiguous()}, "do not fit"),
+    }
+    for name, (bad, expect) in cases.items():
+        bad_dir = tmp_path / f"adapter_{name}"
+        shutil.copytree(adapter, bad_dir)
+        save_file(bad, str(bad_dir / "adapter_model.safetensors"))
+        out = tmp_path / f"out_{name}"
+        with pytest.raises(LeantuneError, match=expect) as e:
+            export_merged(base, bad_dir, out)
+        assert str(bad_dir) in str(e.value) and "\n" not in str(e.value)
+        assert not out.exists()  # checked before anything is written

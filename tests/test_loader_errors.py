@@ -180,3 +180,41 @@ def test_config_errors_from_dict():
         ModelConfig.from_dict({}, source="x.json")
     with pytest.raises(LeantuneError, match="unsupported|not supported"):
         ModelConfig.from_dict({"model_type": "gemma3"}, source="x.json")
+
+
+def test_file_instead_of_folder(good):
+    msg = _error(good / "config.json")
+    assert str(good / "config.json") in msg and "is a file" in msg and "folder" in msg
+
+
+def test_config_that_is_not_an_object(good, tmp_path):
+    ckpt = _copy(good, tmp_path)
+    (ckpt / "config.json").write_text("[1, 2]")
+    msg = _error(ckpt)
+    assert str(ckpt / "config.json") in msg and "JSON object" in msg
+
+
+def test_hub_id_downloads_only_the_weights_transformers_loads(good, monkeypatch):
+    import fnmatch
+
+    import huggingface_hub
+
+    from leantune.model.loader import resolve_checkpoint
+
+    seen = {}
+
+    def fake_snapshot_download(repo_id, allow_patterns=None, **_kw):
+        seen.update(repo=repo_id, patterns=allow_patterns)
+        return str(good)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    assert resolve_checkpoint("some-org/some-model") == good
+    assert seen["repo"] == "some-org/some-model"
+
+    def fetched(name):
+        return any(fnmatch.fnmatch(name, p) for p in seen["patterns"])
+
+    for name in ("config.json", "model.safetensors", "model-00001-of-00002.safetensors",
+                 "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json"):
+        assert fetched(name), name
+    assert not fetched("consolidated.safetensors")  # Mistral repos: the same weights again

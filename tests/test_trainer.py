@@ -194,6 +194,41 @@ def test_resume_without_rng_restore_would_differ(run_a, tmp_path, monkeypatch):
     assert all(abs(a - b) > 1e-7 for a, b in zip(loss_a[4:], loss_b[4:]))
 
 
+@pytest.mark.parametrize("change, expect", [
+    ({"lora_r": 2}, "has shape"),  # a different rank
+    ({"lora_targets": "q,v"}, "is not in the model"),  # fewer adapted layers
+])
+def test_resume_with_other_lora_settings_is_a_one_line_error(run_a, tmp_path, monkeypatch,
+                                                             change, expect):
+    cfg_b = dataclasses.replace(run_a, output=str(tmp_path / "b"))
+    with monkeypatch.context() as m:
+        _interrupted_run(cfg_b, "crash", m)
+    with pytest.raises(LeantuneError, match=f"step-00000004: .*{expect}.*same model and LoRA"):
+        Trainer(dataclasses.replace(cfg_b, resume=True, **change), log=quiet)
+
+
+def test_resume_with_more_lora_targets_is_a_one_line_error(tiny_ckpt, alpaca_file,  # noqa: F811
+                                                            tmp_path):
+    cfg = make_cfg(tiny_ckpt, alpaca_file, tmp_path / "run", lora_targets="q,v", max_steps=2,
+                   save_every=1)
+    Trainer(cfg, log=quiet).train()
+    with pytest.raises(LeantuneError, match="trainable parameters are not in the checkpoint"):
+        Trainer(dataclasses.replace(cfg, resume=True, lora_targets="q,k,v"), log=quiet)
+
+
+def test_resume_restores_the_fp16_loss_scale(tiny_ckpt, alpaca_file, tmp_path):  # noqa: F811
+    cfg = make_cfg(tiny_ckpt, alpaca_file, tmp_path / "run", dtype="float16", max_steps=2,
+                   save_every=1)
+    tr = Trainer(cfg, log=quiet)
+    # a scale that grows every step, so the checkpointed scale differs from a fresh scaler's
+    tr.scaler = torch.amp.GradScaler("cpu", init_scale=512.0, growth_interval=1)
+    tr.train()
+    resumed = Trainer(dataclasses.replace(cfg, resume=True), log=quiet)
+    assert resumed.step == 1
+    assert resumed.scaler.get_scale() == 1024.0
+    assert resumed.scaler.state_dict()["growth_interval"] == 1
+
+
 def test_logged_lr_follows_the_schedule(run_a):
     recs = [r for r in read_metrics(run_a.output) if "loss" in r]
     for r in recs:

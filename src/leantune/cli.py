@@ -30,7 +30,7 @@ def _train_parser(sub) -> None:
     a("--batch-size", type=int, help="packed rows per micro-batch (default 4)")
     a("--grad-accum", type=int, help="micro-batches per optimizer step (default 1)")
     a("--lr", type=float, help="peak learning rate (default 2e-4)")
-    a("--weight-decay", type=float)
+    a("--weight-decay", type=float, help="AdamW weight decay (default 0)")
     a("--warmup-steps", type=int, help="linear warm-up steps (default 10)")
     a("--schedule", choices=["cosine", "linear", "constant"], help="decay after warm-up")
     a("--max-grad-norm", type=float, help="gradient clipping (default 1.0; 0 = off)")
@@ -60,7 +60,8 @@ def _train_parser(sub) -> None:
     a("--max-memory-gib", type=float, help="GPU memory the run may use (default: the GPU's)")
     a("--compile", action="store_true", default=None, help="torch.compile each decoder layer")
     a("--log-every", type=int, help="log every N steps (default 1)")
-    a("--no-progress", dest="progress", action="store_false", default=None)
+    a("--no-progress", dest="progress", action="store_false", default=None,
+      help="no progress bar (plain log lines)")
 
 
 def _config_from_args(args):

@@ -206,6 +206,7 @@ class PackedLoader:
             max_seq_len = getattr(dataset, "max_seq_len", None) or max(len(d[0]) for d in self.docs)
         self.max_seq_len = _check_max_seq_len(max_seq_len)
         self.lengths = [len(ids) for ids, _ in self.docs]
+        self._num_tokens = sum(self.lengths)  # for the fingerprint, taken every training step
         longest = max(self.lengths)
         if longest > self.max_seq_len:
             raise ValueError(f"a document has {longest} tokens, more than max_seq_len "
@@ -299,7 +300,7 @@ class PackedLoader:
     def _fingerprint(self) -> dict:
         return {"seed": self.seed, "batch_size": self.batch_size, "max_seq_len": self.max_seq_len,
                 "shuffle": self.shuffle, "num_docs": len(self.docs),
-                "num_tokens": sum(self.lengths)}
+                "num_tokens": self._num_tokens}
 
     def state_dict(self) -> dict:
         """Position of the next batch plus a fingerprint of what determines the batches."""

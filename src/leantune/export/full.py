@@ -22,6 +22,14 @@ def copy_side_files(src: Path | None, out: Path) -> None:
             shutil.copyfile(Path(src) / name, out / name)
 
 
+def set_config_dtype(config: dict, dtype: str) -> None:
+    """Record the weights' dtype in a config.json dict. transformers >= 4.56 writes "dtype" and
+    reads it before the legacy "torch_dtype" (which configs often carry too): update every one
+    of the two keys present, "dtype" when neither is."""
+    for key in [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]:
+        config[key] = dtype
+
+
 def save_full_model(model, out: Path, source: Path | None = None,
                     max_shard_bytes: int = 4 << 30) -> None:
     """Write the model's weights (HF names) + config.json (+ side files from `source`)."""
@@ -36,6 +44,6 @@ def save_full_model(model, out: Path, source: Path | None = None,
     write_sharded(entries, out, max_shard_bytes)
     config = dict(model.config.raw)
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
-    config["torch_dtype" if "torch_dtype" in config else "dtype"] = dtype
+    set_config_dtype(config, dtype)
     atomic_write_json(out / "config.json", config)
     copy_side_files(source, out)

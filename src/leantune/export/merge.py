@@ -19,7 +19,7 @@ from ..lora.peft_io import ADAPTER_WEIGHTS, PREFIX, read_adapter_config
 from ..model.config import ModelConfig
 from ..model.loader import resolve_checkpoint, safetensors_files
 from ..utils.io import atomic_write_json
-from .full import copy_side_files
+from .full import copy_side_files, set_config_dtype
 from .shards import write_sharded
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -66,39 +66,45 @@ def export_merged(model: str | os.PathLike, adapter_dir: str | os.PathLike | Non
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise LeantuneError(f"{out}: output folder is not empty; choose a new folder or pass "
                             "--overwrite")
-    out.mkdir(parents=True, exist_ok=True)
     deltas, scaling = _lora_deltas(Path(adapter_dir)) if adapter_dir else ({}, 0.0)
     out_dtype = _DTYPES[dtype] if dtype else None
-    entries, used = [], set()
+    entries, shapes = [], {}
     for f in safetensors_files(src):
         with safe_open(str(f), framework="pt", device="cpu") as sf:
             for key in sf.keys():
                 sl = sf.get_slice(key)
+                shapes[key] = tuple(sl.get_shape())
                 is_float = sl.get_dtype().startswith(("F", "BF"))
                 itemsize = (out_dtype.itemsize if out_dtype is not None and is_float
                             else _itemsize(sl.get_dtype()))
-                entries.append((key, _numel(sl.get_shape()) * itemsize,
+                entries.append((key, _numel(shapes[key]) * itemsize,
                                 lambda f=f, key=key: _merged_tensor(f, key)))
+    # Every adapter layer must fit a base weight before anything is written.
+    for key, (a, b) in deltas.items():
+        if key not in shapes:
+            raise LeantuneError(f"{adapter_dir}: adapter layers not found in the base model "
+                                f"(e.g. {key}); is it the adapter of another model?")
+        if a.dim() != 2 or b.dim() != 2 or (b.shape[0], a.shape[1]) != shapes[key] \
+                or a.shape[0] != b.shape[1]:
+            raise LeantuneError(f"{adapter_dir}: {key}: lora_A {tuple(a.shape)} and lora_B "
+                                f"{tuple(b.shape)} do not fit the base weight {shapes[key]}; "
+                                "is it the adapter of another model?")
 
     def _merged_tensor(f: Path, key: str) -> torch.Tensor:
         with safe_open(str(f), framework="pt", device="cpu") as sf:
             t = sf.get_tensor(key)
         if key in deltas:
             a, b = deltas[key]
-            used.add(key)
             return (t.float() + (b.float() @ a.float()) * scaling).to(out_dtype or t.dtype)
         if out_dtype is not None and t.is_floating_point():
             return t.to(out_dtype)
         return t
 
+    out.mkdir(parents=True, exist_ok=True)
     write_sharded(entries, out, max_shard_bytes)
-    unused = set(deltas) - used
-    if unused:
-        raise LeantuneError(f"{adapter_dir}: adapter layers not found in the base model "
-                            f"(e.g. {sorted(unused)[0]}); is it the adapter of another model?")
     config = json.loads((src / "config.json").read_text())
     if out_dtype is not None:
-        config["torch_dtype" if "torch_dtype" in config else "dtype"] = dtype
+        set_config_dtype(config, dtype)
     atomic_write_json(out / "config.json", config)
     copy_side_files(src, out)
     return out

@@ -32,7 +32,6 @@ class LoRALinear(nn.Module):
         self.r = 0
         self.scaling = 0.0
         self.lora_dropout: nn.Module = nn.Identity()
-        self.merged = False
 
     @property
     def has_lora(self) -> bool:
@@ -59,7 +58,7 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., in] -> [..., out]."""
-        if self.lora_A is None or self.merged:
+        if self.lora_A is None:
             return F.linear(x, self.base_weight(), self.bias)
         if isinstance(self.lora_dropout, nn.Identity) or not self.training:
             # base matmul + LoRA product in one autograd Function (kernels/lora.py)
@@ -70,15 +69,6 @@ class LoRALinear(nn.Module):
         a = self.lora_A.weight.to(x.dtype)
         b = self.lora_B.weight.to(x.dtype)
         return y + F.linear(F.linear(self.lora_dropout(x), a), b) * self.scaling
-
-    @torch.no_grad()
-    def merged_weight(self) -> torch.Tensor:
-        """W + scaling * B @ A, computed in fp32 and cast back to the base dtype."""
-        w = self.base_weight()
-        if self.lora_A is None:
-            return w
-        delta = (self.lora_B.weight.float() @ self.lora_A.weight.float()) * self.scaling
-        return (w.float() + delta).to(w.dtype)
 
     def extra_repr(self) -> str:
         s = f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"

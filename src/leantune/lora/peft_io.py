@@ -75,6 +75,8 @@ def read_adapter_config(adapter_dir: Path) -> LoRAConfig:
                             "written by `leantune train` or PEFT") from None
     except json.JSONDecodeError as e:
         raise LeantuneError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
+    if not isinstance(d, dict):
+        raise LeantuneError(f"{path}: expected a JSON object, got {type(d).__name__}")
     targets = d.get("target_modules") or ALL_TARGETS
     if isinstance(targets, str):  # PEFT allows a regex string; we take the simple names in it
         targets = [t for t in ALL_TARGETS if t in targets]

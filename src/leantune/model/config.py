@@ -69,6 +69,8 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        if not isinstance(d, dict):
+            raise LeantuneError(f"{source}: expected a JSON object, got {type(d).__name__}")
         mt = d.get("model_type")
         if mt not in SUPPORTED_MODEL_TYPES:
             raise LeantuneError(

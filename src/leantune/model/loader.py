@@ -17,7 +17,10 @@ from ..errors import LeantuneError
 from .config import ModelConfig
 from .transformer import CausalLM
 
-CHECKPOINT_PATTERNS = ["config.json", "generation_config.json", "*.safetensors",
+# What a hub download fetches. Weights: the files transformers loads (model.safetensors or the
+# shards of model.safetensors.index.json), not every *.safetensors: Mistral repos, for one, also
+# hold the whole model again as consolidated.safetensors.
+CHECKPOINT_PATTERNS = ["config.json", "generation_config.json", "model*.safetensors",
                        "model.safetensors.index.json", "tokenizer*", "special_tokens_map.json",
                        "*.model", "vocab*", "merges.txt", "chat_template*"]
 
@@ -35,7 +38,10 @@ def resolve_checkpoint(name_or_path: str | os.PathLike) -> Path:
     if p.is_dir():
         return p
     s = str(name_or_path)
-    looks_like_hub_id = s.count("/") == 1 and not s.startswith((".", "/", "~")) and not p.exists()
+    if p.exists():
+        raise LeantuneError(f"{s}: is a file; --model must be the checkpoint folder holding "
+                            "config.json and *.safetensors (or a Hugging Face hub id)")
+    looks_like_hub_id = s.count("/") == 1 and not s.startswith((".", "/", "~"))
     if not looks_like_hub_id:
         raise LeantuneError(f"{s}: model path does not exist; give a folder holding config.json "
                             "and *.safetensors, or a Hugging Face hub id like org/name")
@@ -106,18 +112,15 @@ def load_safetensors_into(model: CausalLM, files: list[Path]) -> None:
         try:
             with safe_open(str(f), framework="pt", device="cpu") as sf:
                 for key in sf.keys():
-                    name = key
-                    if name not in params:
-                        if name == "lm_head.weight" and model.lm_head is None:
-                            continue  # tied head saved anyway
-                        continue  # e.g. rotary buffers of old checkpoints
+                    if key not in params:
+                        continue  # a tied head saved anyway, rotary buffers of old checkpoints
                     t = sf.get_tensor(key)
-                    p = params[name]
+                    p = params[key]
                     if t.shape != p.shape:
                         raise LeantuneError(f"{f}: tensor {key} has shape {tuple(t.shape)}, "
                                             f"config.json implies {tuple(p.shape)}")
                     p.copy_(t, non_blocking=False)
-                    missing.discard(name)
+                    missing.discard(key)
         except LeantuneError:
             raise
         except Exception as e:

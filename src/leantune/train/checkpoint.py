@@ -3,7 +3,7 @@
 OUTPUT/checkpoints/step-00000100/
     trainable.safetensors   trainable parameters by name (LoRA adapters, or all for --full)
     optimizer.pt            optimizer state
-    state.json              step, data position, config snapshot
+    state.json              step, data position, fp16 loss scale (if any), config snapshot
     rng.pt                  torch (CPU and CUDA) and Python RNG states
 The folder is written as a hidden temporary folder and renamed into place when complete, so a
 crash never leaves a half-written checkpoint that `--resume` would pick up.
@@ -78,16 +78,29 @@ def load_checkpoint(path: Path, model, optimizer) -> dict:
     try:
         state = json.loads((path / "state.json").read_text())
         tensors = load_file(str(path / "trainable.safetensors"))
+        opt_state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False)
+        rng_state = torch.load(path / "rng.pt", weights_only=False)
     except Exception as e:
         raise LeantuneError(f"{path}: checkpoint is unreadable ({type(e).__name__}); delete it "
                             "to resume from the one before") from None
+    same = "resume with the same model and LoRA settings"
     params = dict(model.named_parameters())
     for n, t in tensors.items():
         if n not in params:
-            raise LeantuneError(f"{path}: parameter {n} is not in the model; resume with the "
-                                "same model and LoRA settings")
+            raise LeantuneError(f"{path}: parameter {n} is not in the model; {same}")
+        if params[n].shape != t.shape:
+            raise LeantuneError(f"{path}: parameter {n} has shape {tuple(t.shape)} in the "
+                                f"checkpoint but {tuple(params[n].shape)} here; {same}")
+    missing = sorted(n for n, p in params.items() if p.requires_grad and n not in tensors)
+    if missing:
+        raise LeantuneError(f"{path}: {len(missing)} trainable parameters are not in the "
+                            f"checkpoint (e.g. {missing[0]}); {same}")
+    for n, t in tensors.items():
         params[n].copy_(t)
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu",
-                                         weights_only=False))
-    _set_rng_state(torch.load(path / "rng.pt", weights_only=False))
+    try:
+        optimizer.load_state_dict(opt_state)
+    except (ValueError, KeyError, RuntimeError) as e:
+        raise LeantuneError(f"{path}: the optimizer state does not match this run "
+                            f"({str(e)[:120]}); {same}") from None
+    _set_rng_state(rng_state)
     return state

@@ -76,21 +76,24 @@ class Trainer:
         self.cfg = cfg.validate()
         self.log = log
         self.output = Path(cfg.output)
-        prepare_output(self.output, cfg.resume, cfg.overwrite)
-        torch.manual_seed(cfg.seed)
-        self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        # Cheap checks first, so a typo fails before a large model is loaded and before
+        # --overwrite removes a previous run.
+        self.device = resolve_device(cfg.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # Triton launches (and bf16 checks) use it
         self.dtype = _DTYPES[cfg.dtype] if cfg.dtype else default_dtype(self.device)
         if cfg.full and self.dtype == torch.float16:
             raise LeantuneError("--full with float16 weights is not supported (no fp32 master "
                                 "weights for loss scaling); use --dtype float32, or bfloat16 on "
                                 "a GPU that has it")
-        # Cheap checks first, so a typo fails before a large model is loaded.
         if not cfg.full:
             LoRAConfig(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
                        targets=cfg.lora_targets)
         for flag, path in (("--data", cfg.data), ("--eval-data", cfg.eval_data)):
             if path and train_data is None and not Path(path).exists():
                 raise LeantuneError(f"{path}: data file not found; check the {flag} path")
+        prepare_output(self.output, cfg.resume, cfg.overwrite)
+        torch.manual_seed(cfg.seed)
 
         self.model = model if model is not None else load_model(cfg.model, dtype=self.dtype,
                                                                  device=self.device)
@@ -175,7 +178,8 @@ class Trainer:
         fused = self.device.type == "cuda"
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                            betas=(0.9, 0.999), eps=1e-8, fused=fused or None)
-        self.scaler = (torch.amp.GradScaler("cuda") if self.dtype == torch.float16 else None)
+        self.scaler = (torch.amp.GradScaler(self.device.type) if self.dtype == torch.float16
+                       else None)
 
     def _resume(self) -> None:
         ckpt = latest_checkpoint(self.output)
@@ -186,6 +190,8 @@ class Trainer:
         self.step = int(state["step"])
         self.tokens_seen = int(state.get("tokens_seen", 0))
         self.first_eval_loss = state.get("first_eval_loss")
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])  # fp16 loss scale: resume exactly
         self.loader.load_state_dict(state["data"])
         self.log(f"resumed from {ckpt} at step {self.step}")
 
@@ -310,6 +316,7 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         state = {"data": self.loader.state_dict(), "tokens_seen": self.tokens_seen,
                  "first_eval_loss": self.first_eval_loss,
+                 "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                  "config": {k: v for k, v in asdict(self.cfg).items() if k != "extra"}}
         return save_checkpoint(self.output, self.step, self.model, self.optimizer, state,
                                keep=self.cfg.keep_checkpoints)
@@ -349,6 +356,24 @@ def peak_memory_gib(device: torch.device) -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB (Linux)
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """--device as a torch.device this machine has; default cuda when available, else cpu."""
+    if not name:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError, TypeError):
+        raise LeantuneError(f"--device {name!r} is not a device; use cuda, cuda:N or cpu") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise LeantuneError(f"--device {name}: torch sees no CUDA GPU here (see `leantune "
+                                "doctor`); use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise LeantuneError(f"--device {name}: torch sees only {torch.cuda.device_count()} "
+                                "CUDA GPU(s), numbered from 0")
+    return device
 
 
 def load_tokenizer(model: str | None):

@@ -101,3 +101,13 @@ def test_checkpoint_plan_fits_the_budget():
     assert recomputed[-1] == 0  # everything fits: recompute none
     assert recomputed == sorted(recomputed, reverse=True)
     assert all(p == sorted(p) for p in plans)  # kept layers first, recomputed after
+
+
+def test_hand_built_batch_without_host_lengths_keeps_documents_apart():
+    model = tiny_lora_model()
+    full = packed_batch()
+    bare = PackedBatch(input_ids=full.input_ids, labels=full.labels,
+                       position_ids=full.position_ids, cu_seqlens=full.cu_seqlens, max_seqlen=0)
+    assert bare.seq_lens == full.seq_lens and bare.max_seqlen == full.max_seqlen
+    with torch.no_grad():
+        torch.testing.assert_close(model(batch=bare).logits, model(batch=full).logits)

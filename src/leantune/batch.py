@@ -45,6 +45,12 @@ class PackedBatch:
     num_target_tokens: int = 0
     num_real_tokens: int = 0
 
+    def __post_init__(self):
+        # A hand-built batch may omit the host copies: derive them once here (outside the model).
+        if not self.seq_lens and self.cu_seqlens is not None and self.cu_seqlens.numel() > 1:
+            self.seq_lens = torch.diff(self.cu_seqlens.cpu()).tolist()
+            self.max_seqlen = self.max_seqlen or max(self.seq_lens)
+
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.input_ids.shape)  # type: ignore[return-value]

@@ -304,8 +304,10 @@ class Trainer:
                 _set_rng_state(step_start[2])
             path = self.save_checkpoint()
             metrics.close()
-            raise LeantuneError(f"interrupted at step {self.step}; checkpoint saved to {path}; "
-                                "continue with the same command plus --resume") from None
+            err = LeantuneError(f"interrupted at step {self.step}; checkpoint saved to {path}; "
+                                "continue with the same command plus --resume")
+            err.exit_code = 130  # the shell's code for Ctrl-C
+            raise err from None
         progress.close()
         metrics.close()
         self.save_final()

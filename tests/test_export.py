@@ -212,3 +212,13 @@ def test_adapter_of_another_model_writes_nothing(trained, tmp_path):
             export_merged(base, bad_dir, out)
         assert str(bad_dir) in str(e.value) and "\n" not in str(e.value)
         assert not out.exists()  # checked before anything is written
+
+
+def test_overwrite_removes_stale_shards(trained, ids, tmp_path):
+    base, adapter, model = trained
+    out = tmp_path / "merged"
+    export_merged(base, adapter, out, max_shard_bytes=SHARD_BYTES)  # many shards
+    many = len(list(out.glob("model*.safetensors")))
+    export_merged(base, adapter, out, overwrite=True)  # one shard
+    shards = sorted(p.name for p in out.glob("model*.safetensors"))
+    assert many > 1 and shards == ["model-00001-of-00001.safetensors"]

@@ -217,3 +217,14 @@ def test_forced_attention_paths_agree(checkpoints, family, reset_attention_path)
     for path, logits in out.items():
         assert max_abs(logits, ref) < TOL, path
         assert max_abs(logits, out[None]) < TOL, path
+
+
+def test_qwen2_old_config_sliding_layers_from_max_window_layers():
+    from leantune.model.config import ModelConfig
+
+    d = dict(model_type="qwen2", vocab_size=11, hidden_size=8, intermediate_size=16,
+             num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+             use_sliding_window=True, sliding_window=5, max_window_layers=2)
+    cfg = ModelConfig.from_dict(d)
+    assert [cfg.window_for_layer(i) for i in range(4)] == [None, None, 5, 5]
+    assert ModelConfig.from_dict(dict(d, use_sliding_window=False)).window_for_layer(3) is None

@@ -101,6 +101,9 @@ def export_merged(model: str | os.PathLike, adapter_dir: str | os.PathLike | Non
         return t
 
     out.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
+        if stale.exists():  # --overwrite: no shard of a previous export may survive
+            stale.unlink()
     write_sharded(entries, out, max_shard_bytes)
     config = json.loads((src / "config.json").read_text())
     if out_dtype is not None:

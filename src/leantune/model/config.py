@@ -83,8 +83,14 @@ class ModelConfig:
             rope_theta, rope_scaling = _rope_from_config(d)
             sliding = d.get("sliding_window")
             layer_types = list(d.get("layer_types") or [])
-            if mt in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
-                sliding, layer_types = None, []
+            if mt in ("qwen2", "qwen3"):
+                if not d.get("use_sliding_window", False):
+                    sliding, layer_types = None, []
+                elif not layer_types and sliding:
+                    # older configs: layers from max_window_layers on use the window
+                    first = int(d.get("max_window_layers", 0))
+                    layer_types = ["sliding_attention" if i >= first else "full_attention"
+                                   for i in range(int(d["num_hidden_layers"]))]
             if layer_types and "sliding_attention" not in layer_types:
                 layer_types = []
             llama_bias = bool(d.get("attention_bias", False))

@@ -17,19 +17,19 @@ import torch
 from ..errors import LeantuneError
 from ..lora.peft_io import ADAPTER_WEIGHTS, PREFIX, read_adapter_config
 from ..model.config import ModelConfig
-from ..model.loader import resolve_checkpoint, safetensors_files
+from ..lora.layer import lora_scaling
+from ..model.loader import DTYPES, resolve_checkpoint, safetensors_files
 from ..utils.io import atomic_write_json
 from .full import copy_side_files, set_config_dtype
 from .shards import write_sharded
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def _lora_deltas(adapter_dir: Path) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], float]:
     from safetensors.torch import load_file
 
     cfg = read_adapter_config(adapter_dir)
-    scaling = cfg.alpha / (cfg.r ** 0.5) if cfg.use_rslora else cfg.alpha / cfg.r
+    scaling = lora_scaling(cfg.r, cfg.alpha, cfg.use_rslora)
     path = adapter_dir / ADAPTER_WEIGHTS
     try:
         tensors = load_file(str(path))
@@ -67,7 +67,7 @@ def export_merged(model: str | os.PathLike, adapter_dir: str | os.PathLike | Non
         raise LeantuneError(f"{out}: output folder is not empty; choose a new folder or pass "
                             "--overwrite")
     deltas, scaling = _lora_deltas(Path(adapter_dir)) if adapter_dir else ({}, 0.0)
-    out_dtype = _DTYPES[dtype] if dtype else None
+    out_dtype = DTYPES[dtype] if dtype else None
     entries, shapes = [], {}
     for f in safetensors_files(src):
         with safe_open(str(f), framework="pt", device="cpu") as sf:

@@ -19,6 +19,11 @@ import torch.nn.functional as F
 from ..kernels.lora import lora_linear
 
 
+def lora_scaling(r: int, alpha: float, use_rslora: bool = False) -> float:
+    """The factor on B @ A: alpha / r, or alpha / sqrt(r) for rsLoRA (as PEFT)."""
+    return alpha / math.sqrt(r) if use_rslora else alpha / r
+
+
 class LoRALinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  device=None, dtype=None):
@@ -53,7 +58,7 @@ class LoRALinear(nn.Module):
             nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
             nn.init.zeros_(self.lora_B.weight)
         self.r = r
-        self.scaling = alpha / math.sqrt(r) if use_rslora else alpha / r
+        self.scaling = lora_scaling(r, alpha, use_rslora)
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

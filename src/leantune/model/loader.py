@@ -25,6 +25,9 @@ CHECKPOINT_PATTERNS = ["config.json", "generation_config.json", "model*.safetens
                        "*.model", "vocab*", "merges.txt", "chat_template*"]
 
 
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
 def default_dtype(device: torch.device) -> torch.dtype:
     """bf16 on GPUs that support it, fp16 on older GPUs, fp32 on the CPU."""
     if device.type == "cuda":

@@ -25,7 +25,7 @@ import torch
 
 from ..errors import LeantuneError
 from ..lora import LoRAConfig, apply_lora, save_adapter
-from ..model.loader import default_dtype, load_model
+from ..model.loader import DTYPES, default_dtype, load_model
 from ..utils.io import atomic_write_text
 from .checkpoint import (
     CKPT_DIR,
@@ -39,7 +39,6 @@ from .config import TrainConfig
 from .metrics import MetricsWriter, Progress
 from .schedule import lr_factor
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 RUN_MARKERS = ("adapter_config.json", "adapter_model.safetensors", "metrics.jsonl", CKPT_DIR,
                "model.safetensors.index.json")
 
@@ -81,7 +80,7 @@ class Trainer:
         self.device = resolve_device(cfg.device)
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # Triton launches (and bf16 checks) use it
-        self.dtype = _DTYPES[cfg.dtype] if cfg.dtype else default_dtype(self.device)
+        self.dtype = DTYPES[cfg.dtype] if cfg.dtype else default_dtype(self.device)
         if cfg.full and self.dtype == torch.float16:
             raise LeantuneError("--full with float16 weights is not supported (no fp32 master "
                                 "weights for loss scaling); use --dtype float32, or bfloat16 on "

@@ -1,0 +1,160 @@
+"""Where the time of one training step goes: kernel time by category (GEMM, attention, our Triton
+kernels, other), GPU busy fraction, plus the ceilings that bound it: the bf16 GEMM rate on the
+step's own shapes, and pinned host<->device copy bandwidth (for offloaded checkpointing).
+
+    python bench/profile_step.py --shape llama-3.1-8b --policies recompute
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from harness import hf_config, leantune_model, record  # noqa: E402
+from speed import random_batch  # noqa: E402
+
+from leantune.model.config import ModelConfig  # noqa: E402
+from leantune.train.config import TrainConfig  # noqa: E402
+from leantune.train.trainer import Trainer  # noqa: E402
+
+
+def category(name: str) -> str:
+    n = name.lower()
+    if "flash" in n or "fmha" in n or "attention" in n:
+        return "attention"
+    if any(s in n for s in ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas", "splitk")):
+        return "gemm"
+    if any(s in n for s in ("_rms_norm", "_rope", "_glu", "_ce_", "cross_entropy", "_lce")):
+        return "triton"
+    if "adam" in n or "foreach" in n or "multi_tensor" in n:
+        return "optimizer"
+    if "memcpy" in n or "memset" in n:
+        return "copy"
+    return "other"
+
+
+def profile(shape, policy, tokens_rows, seq, device):
+    mcfg = ModelConfig.from_dict(hf_config(shape).to_dict())
+    batch = random_batch(mcfg.vocab_size, tokens_rows, seq)
+    base = leantune_model(shape, device)
+    cfg = TrainConfig(output=tempfile.mkdtemp(), max_seq_len=seq, batch_size=tokens_rows,
+                      lr=1e-4, warmup_steps=0, max_steps=10, progress=False, eval_every=0,
+                      lora_r=16, lora_alpha=16, overwrite=True, device=str(device),
+                      checkpointing=policy)
+    docs = [(batch.input_ids[0].tolist(), batch.labels[0].tolist())]
+    trainer = Trainer(cfg, model=base, train_data=docs, log=lambda *a: None)
+    b = batch.to(device)
+    for _ in range(3):
+        trainer.train_step([b])
+    torch.cuda.synchronize()
+    from torch.profiler import ProfilerActivity, profile as tprofile
+    steps = 2
+    with tprofile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            trainer.train_step([b])
+        torch.cuda.synchronize()
+    by_cat, by_name, count = defaultdict(float), defaultdict(float), defaultdict(int)
+    t_min, t_max = float("inf"), 0.0
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            dt = ev.time_range.elapsed_us() / 1e3 / steps
+            by_cat[category(ev.name)] += dt
+            by_name[ev.name[:90]] += dt
+            count[ev.name[:90]] += 1
+            t_min = min(t_min, ev.time_range.start)
+            t_max = max(t_max, ev.time_range.end)
+    wall = (t_max - t_min) / 1e3 / steps
+    busy = sum(by_cat.values())
+    record("profile", shape=shape, policy=policy, step_ms=round(wall, 2),
+           kernel_ms=round(busy, 2), **{k: round(v, 2) for k, v in sorted(by_cat.items())},
+           launches=sum(count.values()) // steps)
+    for name, ms in sorted(by_name.items(), key=lambda kv: -kv[1])[:25]:
+        print(f"   {ms:8.2f} ms  x{count[name] // steps:4d}  {name}", flush=True)
+    del trainer, base
+    torch.cuda.empty_cache()
+
+
+def gemm_rates(shape, tokens, device):
+    """TFLOP/s of x @ W^T for the layer's projection shapes (bf16, cuBLAS)."""
+    c = ModelConfig.from_dict(hf_config(shape).to_dict())
+    h, i, kv = c.hidden_size, c.intermediate_size, c.kv_size
+    shapes = {"q/o": (h, h), "k/v": (kv, h), "qkv": (h + 2 * kv, h), "gate/up": (i, h),
+              "gate+up": (2 * i, h), "down": (h, i), "lm_head": (c.vocab_size, h)}
+    x = torch.randn(tokens, h, device=device, dtype=torch.bfloat16)
+    xi = torch.randn(tokens, i, device=device, dtype=torch.bfloat16)
+    out = {}
+    for name, (n, k) in shapes.items():
+        w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
+        inp = xi if k == i else x
+        for _ in range(3):
+            inp @ w.t()
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(20):
+            inp @ w.t()
+        e.record()
+        torch.cuda.synchronize()
+        ms = s.elapsed_time(e) / 20
+        out[name] = round(2 * tokens * n * k / ms / 1e9, 1)
+        # backward-to-input shape: g [tokens, n] @ W [n, k]
+        g = torch.randn(tokens, n, device=device, dtype=torch.bfloat16)
+        for _ in range(3):
+            g @ w
+        torch.cuda.synchronize()
+        s.record()
+        for _ in range(20):
+            g @ w
+        e.record()
+        torch.cuda.synchronize()
+        out[name + " dX"] = round(2 * tokens * n * k / (s.elapsed_time(e) / 20) / 1e9, 1)
+        del w, g
+    record("gemm_tflops", shape=shape, tokens=tokens, **out)
+
+
+def copy_bandwidth(device, mib=64):
+    n = mib * 2**20 // 2
+    host = torch.empty(n, dtype=torch.bfloat16, pin_memory=True)
+    dev = torch.empty(n, dtype=torch.bfloat16, device=device)
+    res = {}
+    for name, fn in (("d2h", lambda: host.copy_(dev, non_blocking=True)),
+                     ("h2d", lambda: dev.copy_(host, non_blocking=True))):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(20):
+            fn()
+        e.record()
+        torch.cuda.synchronize()
+        res[name + "_gb_s"] = round(20 * n * 2 / (s.elapsed_time(e) / 1e3) / 1e9, 1)
+    record("copy_bandwidth", mib=mib, **res)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", nargs="+", default=["llama-3.1-8b"])
+    ap.add_argument("--policies", nargs="+", default=["recompute"])
+    ap.add_argument("--rows", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--no-ceilings", action="store_true")
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    if not args.no_ceilings:
+        copy_bandwidth(device)
+        for shape in args.shape:
+            gemm_rates(shape, args.rows * args.seq, device)
+    for shape in args.shape:
+        for policy in args.policies:
+            profile(shape, policy, args.rows, args.seq, device)
+
+
+if __name__ == "__main__":
+    main()

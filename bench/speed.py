@@ -35,16 +35,17 @@ def random_batch(vocab: int, rows: int, seq: int, seed: int = 0) -> PackedBatch:
 
 
 def bench_ours(shape, batch, policy, warmup, steps, device):
-    """policy: "recompute" | "none" | "auto@GiB" (memory-budgeted), optionally "+compile"."""
+    """policy: "recompute" | "offload" | "none" | "auto@GiB" (memory-budgeted), optionally
+    "+compile" and/or "+nofused" (autograd layers instead of the hand-written backward)."""
     base = leantune_model(shape, device)
-    ckpt, _, extra = policy.partition("+")
+    ckpt, *extras = policy.split("+")
     ckpt, _, budget = ckpt.partition("@")
     cfg = TrainConfig(output=tempfile.mkdtemp(), max_seq_len=batch.input_ids.shape[1],
                       batch_size=batch.input_ids.shape[0], lr=1e-4, warmup_steps=0,
                       max_steps=steps, progress=False, eval_every=0, lora_r=16, lora_alpha=16,
                       overwrite=True, device=str(device), checkpointing=ckpt,
                       max_memory_gib=float(budget) if budget else None,
-                      compile=extra == "compile")
+                      compile="compile" in extras, fused_layers="nofused" not in extras)
     docs = [(batch.input_ids[0].tolist(), batch.labels[0].tolist())]
     trainer = Trainer(cfg, model=base, train_data=docs, log=lambda *a: None)
     gpu_batch = batch.to(device)
@@ -87,7 +88,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", nargs="+", default=["llama-3.2-1b", "llama-3.1-8b"])
     ap.add_argument("--policies", nargs="+", default=["recompute"],
-                    help="leantune checkpointing policies to time (recompute | none)")
+                    help="leantune policies to time: recompute | offload | none | auto@GiB, "
+                         "+compile, +nofused")
     ap.add_argument("--rows", type=int, default=4)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--warmup", type=int, default=3)

@@ -12,7 +12,8 @@ from leantune import LoRAConfig, apply_lora, kernels
 from leantune.batch import PackedBatch
 from leantune.model.config import ModelConfig
 from leantune.model.loader import build_empty
-from leantune.train.memory import checkpoint_plan
+from leantune.model.fused_layer import LayerPlan
+from leantune.train.memory import kept_bytes, plan_layers
 
 CFG = dict(model_type="qwen3", vocab_size=97, hidden_size=40, intermediate_size=72,
            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
@@ -89,18 +90,31 @@ def test_compiled_layers_agree():
     torch.testing.assert_close(grads, ref_grads, rtol=1e-5, atol=1e-7)
 
 
-def test_checkpoint_plan_fits_the_budget():
+def test_layer_plans_fit_the_budget():
     cfg = ModelConfig.from_dict(dict(CFG, hidden_size=4096, intermediate_size=14336,
                                      num_hidden_layers=32, num_attention_heads=32,
                                      num_key_value_heads=8, head_dim=128))
     gib = 2**30
-    fixed = 16 * gib
-    plans = [checkpoint_plan(cfg, 8192, b * gib, fixed) for b in (10, 20, 40, 80, 140)]
-    recomputed = [sum(p) for p in plans]
-    assert recomputed[0] == 32  # nothing fits: recompute every layer
-    assert recomputed[-1] == 0  # everything fits: recompute none
-    assert recomputed == sorted(recomputed, reverse=True)
-    assert all(p == sorted(p) for p in plans)  # kept layers first, recomputed after
+    fixed, tokens = 16 * gib, 8192
+    for host in (512 * gib, 4 * gib):  # room to offload, or not
+        plans = [plan_layers(cfg, tokens, b * gib, fixed, host_bytes=host)
+                 for b in (10, 17, 20, 40, 80, 140)]
+        kept_all = [sum(p.keep == 2 for p in ps) for ps in plans]
+        assert kept_all[0] == 0 and kept_all[-1] == 32  # nothing fits / everything fits
+        assert kept_all == sorted(kept_all)
+        for ps in plans:  # whole layers kept last (their backward comes first)
+            assert [p.keep == 2 for p in ps] == sorted(p.keep == 2 for p in ps)
+            rest = {p for p in ps if p.keep < 2}
+            if host > gib * 100:
+                assert rest <= {LayerPlan(1, offload=True), LayerPlan(1)}
+                assert ps[-1].offload is False
+            else:
+                assert rest <= {LayerPlan(0)}
+        # what the plan keeps on the GPU fits the budget
+        for b, ps in zip((10, 17, 20, 40, 80, 140), plans):
+            on_gpu = sum(kept_bytes(cfg, tokens, p.keep) for p in ps if not p.offload)
+            if b > 17:
+                assert fixed + on_gpu <= b * gib
 
 
 def test_hand_built_batch_without_host_lengths_keeps_documents_apart():

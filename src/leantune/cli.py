@@ -54,9 +54,13 @@ def _train_parser(sub) -> None:
     a("--seed", type=int, help="random seed (default 42)")
     a("--device", help="cuda, cuda:1, cpu (default: cuda if available)")
     a("--dtype", choices=["bfloat16", "float16", "float32"], help="default: by device")
-    a("--checkpointing", choices=["auto", "none", "recompute"],
-      help="activation checkpointing; auto (default): on GPU, keep as many layers' activations "
-           "as fit --max-memory-gib and recompute the rest; none on CPU")
+    a("--checkpointing", choices=["auto", "none", "recompute", "offload"],
+      help="what layers keep for backward; auto (default): on GPU, keep as many layers' "
+           "activations as fit --max-memory-gib and offload the rest's attention state to host "
+           "memory; none on CPU. recompute: keep layer inputs only; offload: attention state "
+           "to host memory for every layer")
+    a("--no-fused-layers", dest="fused_layers", action="store_false", default=None,
+      help="use autograd (+ torch.utils.checkpoint) instead of the hand-written layer backward")
     a("--max-memory-gib", type=float, help="GPU memory the run may use (default: the GPU's)")
     a("--compile", action="store_true", default=None, help="torch.compile each decoder layer")
     a("--log-every", type=int, help="log every N steps (default 1)")

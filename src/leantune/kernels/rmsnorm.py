@@ -118,6 +118,16 @@ def _tile(H: int) -> tuple[int, int, int]:
     return block_r, block_h, num_warps_for(block_r * block_h)
 
 
+def _launch_fwd(x2, w, y2, rstd, eps: float, offset: float) -> None:
+    """x2, y2: [n, H] (rows contiguous), rstd: [n] fp32 (written)."""
+    n, H = x2.shape
+    if n:
+        block_r, block_h, warps = _tile(H)
+        _rms_norm_fwd_kernel[(triton.cdiv(n, block_r),)](
+            x2, w, y2, rstd, n, H, x2.stride(0), y2.stride(0), eps, float(offset),
+            BLOCK_R=block_r, BLOCK_H=block_h, HAS_OFFSET=bool(offset), num_warps=warps)
+
+
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, offset):
@@ -130,11 +140,7 @@ class _RMSNormFunction(torch.autograd.Function):
         out_dtype = x.dtype if offset else torch.result_type(weight, x)
         y = torch.empty(x.shape, dtype=out_dtype, device=x.device)  # not a view: see rope.py
         rstd = torch.empty(n, dtype=torch.float32, device=x.device)
-        if n:
-            block_r, block_h, warps = _tile(H)
-            _rms_norm_fwd_kernel[(triton.cdiv(n, block_r),)](
-                x2, w, y, rstd, n, H, x2.stride(0), H, eps, float(offset),
-                BLOCK_R=block_r, BLOCK_H=block_h, HAS_OFFSET=bool(offset), num_warps=warps)
+        _launch_fwd(x2, w, y.view(n, H), rstd, eps, offset)
         ctx.save_for_backward(x2, w, rstd)
         ctx.offset, ctx.x_shape = float(offset), x.shape
         return y
@@ -181,3 +187,42 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
     if use_triton(x):
         return rms_norm_triton(x, weight, eps, offset)
     return rms_norm_reference(x, weight, eps, offset)
+
+
+# ------------------------------------------------------------------------------------------------
+# Plain functions (no autograd), for the hand-written decoder-layer backward (model/fused_layer.py)
+# ------------------------------------------------------------------------------------------------
+def rms_norm_fwd(x2: torch.Tensor, weight: torch.Tensor, eps: float,
+                 offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """x2: [n, H] (rows contiguous) -> (y [n, H] in x2.dtype, rstd [n] fp32)."""
+    n, H = x2.shape
+    if use_triton(x2):
+        y = torch.empty_like(x2)
+        rstd = torch.empty(n, dtype=torch.float32, device=x2.device)
+        _launch_fwd(x2, weight, y, rstd, float(eps), float(offset))
+        return y, rstd
+    xf = x2.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps)
+    xn = xf * rstd[:, None]
+    if offset:
+        return (xn * (weight.float() + offset)).to(x2.dtype), rstd
+    return (weight * xn.to(x2.dtype)).to(x2.dtype), rstd
+
+
+def rms_norm_bwd(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                 offset: float = 0.0) -> torch.Tensor:
+    """dx [n, H] of RMSNorm with a frozen weight, from dy2, x2: [n, H] and the forward's rstd."""
+    n, H = x2.shape
+    if use_triton(x2):
+        dx = torch.empty_like(x2)
+        if n:
+            block_r, block_h, warps = _tile(H)
+            _rms_norm_bwd_kernel[(triton.cdiv(n, block_r),)](
+                dy2, x2, weight, rstd, dx, rstd, n, H, dy2.stride(0), x2.stride(0), dx.stride(0),
+                float(offset), BLOCK_R=block_r, BLOCK_H=block_h, HAS_OFFSET=bool(offset),
+                COMPUTE_DX=True, COMPUTE_DW=False, num_warps=warps)
+        return dx
+    xhat = x2.float() * rstd[:, None]
+    g = dy2.float() * (weight.float() + offset)
+    c = (g * xhat).mean(-1, keepdim=True)
+    return ((g - xhat * c) * rstd[:, None]).to(x2.dtype)

@@ -198,3 +198,22 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     if use_triton(q):
         return apply_rope_triton(q, k, cos, sin)
     return apply_rope_reference(q, k, cos, sin)
+
+
+def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+          inverse: bool = False) -> None:
+    """Rotate q [B, T, Hq, D] and k [B, T, Hk, D] in place, no autograd (the hand-written layer
+    backward, model/fused_layer.py); inverse=True applies the transposed rotation (backward)."""
+    if use_triton(q):
+        _launch(q, k, _rows_ok(cos), _rows_ok(sin), backward=inverse)
+        return
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    h = q.shape[-1] // 2
+    for t in (q, k):
+        if not inverse:
+            t.copy_(t * c + _rotate_half(t) * s)
+            continue
+        # transpose of the forward map: d1 * c1 + d2 * s2, d2 * c2 - d1 * s1
+        d1, d2 = t[..., :h].clone(), t[..., h:].clone()
+        t[..., :h] = d1 * c[..., :h] + d2 * s[..., h:]
+        t[..., h:] = d2 * c[..., h:] - d1 * s[..., :h]

@@ -157,3 +157,46 @@ def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> to
     if use_triton(gate):
         return geglu_triton(gate, up, approximate)
     return geglu_reference(gate, up, approximate)
+
+
+# ------------------------------------------------------------------------------------------------
+# Plain functions (no autograd), for the hand-written decoder-layer backward (model/fused_layer.py)
+# ------------------------------------------------------------------------------------------------
+ACTS = {"silu": _SILU, "gelu_tanh": _GELU_TANH, "gelu": _GELU_ERF}
+
+
+def _act_reference(g: torch.Tensor, act: int) -> torch.Tensor:
+    if act == _SILU:
+        return F.silu(g)
+    return F.gelu(g, approximate="tanh" if act == _GELU_TANH else "none")
+
+
+def glu_fwd(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
+    """act(gate) * up for contiguous gate/up [..., I]; act: a value of ACTS."""
+    if use_triton(gate):
+        out = torch.empty_like(gate)
+        n = gate.numel()
+        if n:
+            _glu_fwd_kernel[(triton.cdiv(n, _BLOCK),)](gate, up, out, n, ACT=act, BLOCK=_BLOCK,
+                                                       num_warps=_NUM_WARPS)
+        return out
+    return (_act_reference(gate.float(), act) * up.float()).to(gate.dtype)
+
+
+def glu_bwd_(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int) -> None:
+    """Backward of glu_fwd IN PLACE: gate <- d gate, up <- d up (contiguous, same shape)."""
+    if use_triton(gate):
+        n = gate.numel()
+        if n:
+            _glu_bwd_kernel[(triton.cdiv(n, _BLOCK),)](
+                dy, gate, up, gate, up, n, ACT=act, BLOCK=_BLOCK, NEED_DG=True, NEED_DU=True,
+                num_warps=_NUM_WARPS)
+        return
+    with torch.enable_grad():
+        g = gate.detach().float().requires_grad_()
+        a = _act_reference(g, act)
+        (da,) = torch.autograd.grad(a, g, torch.ones_like(a))
+    dyf = dy.float()
+    du = dyf * a.detach()
+    gate.copy_(dyf * up.float() * da)
+    up.copy_(du)

@@ -120,3 +120,52 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attention
     else:
         out = _sdpa(qt, kt, vt, scale, attn_mask=meta.masks[window])
     return out.transpose(1, 2)
+
+
+# ------------------------------------------------------------------------------------------------
+# Without autograd, for the hand-written decoder-layer backward (model/fused_layer.py). On the
+# varlen path the flash-attention ops are called directly: the forward's log-sum-exp is kept, so
+# backward needs no attention forward again. Elsewhere backward re-runs attention under autograd.
+# ------------------------------------------------------------------------------------------------
+_FLASH_OPS = hasattr(torch.ops.aten, "_flash_attention_forward") and hasattr(
+    torch.ops.aten, "_flash_attention_backward")
+
+
+def _flash_window(window: int | None) -> tuple[bool, int]:
+    left = window - 1 if window else -1
+    return left == -1, left  # (is_causal, window_size_left); window_size_right is 0
+
+
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta,
+                      window: int | None, scale: float):
+    """q: [B, T, Hq, D], k/v: [B, T, Hk, D] -> (out [B, T, Hq, D], aux for attention_backward)."""
+    B, T, Hq, D = q.shape
+    if meta.path == "varlen" and _FLASH_OPS:
+        causal, left = _flash_window(window)
+        out, lse, rng, _, _ = torch.ops.aten._flash_attention_forward(
+            q.view(B * T, Hq, D), k.view(B * T, -1, D), v.view(B * T, -1, D), meta.cu_seqlens,
+            meta.cu_seqlens, meta.max_seqlen, meta.max_seqlen, 0.0, causal, False, scale=scale,
+            window_size_left=left, window_size_right=0)
+        return out.view(B, T, Hq, D), (lse, rng)
+    with torch.no_grad():
+        return attention(q, k, v, meta, window, scale), None
+
+
+def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       out: torch.Tensor, aux, meta: AttentionMeta, window: int | None,
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq, dk, dv) for dout [B, T, Hq, D], given attention_forward's inputs/outputs."""
+    B, T, Hq, D = q.shape
+    if aux is not None:
+        lse, rng = aux
+        causal, left = _flash_window(window)
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            dout.view(B * T, Hq, D), q.view(B * T, Hq, D), k.view(B * T, -1, D),
+            v.view(B * T, -1, D), out.view(B * T, Hq, D), lse, meta.cu_seqlens, meta.cu_seqlens,
+            meta.max_seqlen, meta.max_seqlen, 0.0, causal, rng, torch.empty(0, device=q.device),
+            scale=scale, window_size_left=left, window_size_right=0)
+        return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        o = attention(*leaves, meta, window, scale)
+        return torch.autograd.grad(o, leaves, dout)

@@ -20,8 +20,10 @@ from torch.utils.checkpoint import checkpoint
 from .. import kernels
 from ..batch import IGNORE_INDEX, PackedBatch
 from ..lora.layer import LoRALinear
+from .activation_store import ActivationStore
 from .attention import AttentionMeta, attention
 from .config import ModelConfig
+from .fused_layer import LayerPlan, LayerRun, fused_unsupported
 from .rope import rope_cos_sin, rope_inv_freq
 
 
@@ -123,9 +125,12 @@ class CausalLM(nn.Module):
         self.model = Backbone(cfg)
         self.lm_head = (None if cfg.tie_word_embeddings
                         else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
-        # Per layer: None (keep activations) or a callable wrapping the layer call
-        # (recompute; offloaded checkpointing plugs in here).
-        self.checkpoint_fns: list = [None] * cfg.num_hidden_layers
+        # Per layer: None (autograd keeps every activation) or a LayerPlan (what the layer keeps
+        # for backward and where; model/fused_layer.py). `fused` switches the hand-written layer
+        # backward off: plans then fall back to torch.utils.checkpoint (keep < 2) or autograd.
+        self.layer_plans: list[LayerPlan | None] = [None] * cfg.num_hidden_layers
+        self.fused = True
+        self.activation_store = ActivationStore()
         self._rope_cache: dict = {}
 
     # --- structure -------------------------------------------------------------------------
@@ -134,8 +139,22 @@ class CausalLM(nn.Module):
 
     def set_checkpointing(self, enabled: bool | list[bool] = True) -> None:
         """Recompute each layer's activations in backward (True), or per layer with a list."""
-        flags = enabled if isinstance(enabled, list) else [enabled] * len(self.checkpoint_fns)
-        self.checkpoint_fns = [_recompute if f else None for f in flags]
+        flags = enabled if isinstance(enabled, list) else [enabled] * len(self.layer_plans)
+        self.set_layer_plans([LayerPlan(keep=0) if f else None for f in flags])
+
+    def set_layer_plans(self, plans: list[LayerPlan | None]) -> None:
+        """Per layer: None (plain autograd) or a LayerPlan (what it keeps for backward, where)."""
+        if len(plans) != len(self.layer_plans):
+            raise ValueError(f"{len(plans)} layer plans for {len(self.layer_plans)} layers")
+        self.layer_plans = list(plans)
+
+    def fused_unsupported(self) -> str | None:
+        """Why the fused layer path can't run (None if it can)."""
+        for layer in self.model.layers:
+            why = fused_unsupported(layer)
+            if why:
+                return why
+        return None
 
     def compile_layers(self, **kwargs) -> None:
         """torch.compile each decoder layer as one region (layers share the compiled code)."""
@@ -183,8 +202,18 @@ class CausalLM(nn.Module):
             cu_seqlens=batch.cu_seqlens if batch is not None else None,
             max_seqlen=batch.max_seqlen if batch is not None else T,
             windows=windows, dtype=x.dtype)
-        for layer, ckpt in zip(self.model.layers, self.checkpoint_fns):
-            x = layer(x, cos, sin, meta) if ckpt is None else ckpt(layer, x, cos, sin, meta)
+        prev = None
+        training = torch.is_grad_enabled()
+        for layer, plan in zip(self.model.layers, self.layer_plans):
+            if plan is None or not training:
+                x = layer(x, cos, sin, meta)
+            elif self.fused and fused_unsupported(layer) is None:
+                prev = LayerRun(layer, cos, sin, meta, plan, self.activation_store, prev)
+                x = prev(x)
+            elif plan.keep < 2:
+                x = checkpoint(layer, x, cos, sin, meta, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, meta)
         return self.model.norm(x)
 
     def forward(self, input_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
@@ -207,6 +236,3 @@ class CausalLM(nn.Module):
         return kernels.fused_linear_cross_entropy(h.flatten(0, 1), self.output_weight(),
                                                   batch.labels.flatten())
 
-
-def _recompute(layer, *args):
-    return checkpoint(layer, *args, use_reentrant=False)

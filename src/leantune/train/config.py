@@ -42,7 +42,8 @@ class TrainConfig:
     seed: int = 42
     device: str | None = None  # default cuda if available
     dtype: str | None = None  # bfloat16 | float16 | float32; default by device
-    checkpointing: str = "auto"  # auto | none | recompute
+    checkpointing: str = "auto"  # auto | none | recompute | offload
+    fused_layers: bool = True  # hand-written layer backward (off: autograd + torch checkpoint)
     max_memory_gib: float | None = None  # GPU memory the run may use (auto checkpointing)
     compile: bool = False  # torch.compile each decoder layer
     progress: bool = True
@@ -75,8 +76,8 @@ class TrainConfig:
             raise LeantuneError(f"--eval-fraction must be in [0, 1), got {self.eval_fraction}")
         if self.schedule not in ("cosine", "linear", "constant"):
             raise LeantuneError(f"--schedule must be cosine, linear or constant, got {self.schedule!r}")
-        if self.checkpointing not in ("auto", "none", "recompute"):
-            raise LeantuneError(f"--checkpointing must be auto, none or recompute, "
+        if self.checkpointing not in ("auto", "none", "recompute", "offload"):
+            raise LeantuneError(f"--checkpointing must be auto, none, recompute or offload, "
                                 f"got {self.checkpointing!r}")
         if self.dtype not in (None, "bfloat16", "float16", "float32"):
             raise LeantuneError(f"--dtype must be bfloat16, float16 or float32, got {self.dtype!r}")

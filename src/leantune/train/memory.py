@@ -1,43 +1,101 @@
-"""Choosing how many layers to recompute: the fastest policy that fits the memory allowed.
+"""Choosing what each layer keeps for backward: the fastest plan that fits the memory allowed.
 
-Recomputing a layer's activations in backward costs about a third of a LoRA step; keeping them
-costs memory. With a budget (the GPU's memory, or --max-memory-gib), keep the activations of as
-many layers as fit and recompute the rest.
+Per layer (model/fused_layer.py) a LayerPlan says what is kept (0 input, 1 attention state,
+2 everything) and whether it is offloaded to pinned host memory. Speed order, fastest first:
+keep 2 on the GPU (nothing but norms and the activation recomputed), keep 1 (gate/up
+recomputed), keep 0 (everything but down recomputed). Offloading costs GPU time only when the
+device->host copies outrun the forward pass, so a layer that does not fit on the GPU is offloaded
+with keep 1 (its attention state, ~4.5 x the layer input), not recomputed from its input.
 
-Kept activations per token per layer are estimated as
-    ACT_FACTOR * 2 bytes * (8 * hidden + 3 * intermediate + 3 * kv_size)
-(the bf16 tensors autograd saves: norm inputs/outputs, q, k, v, attention output, residuals,
-gate, up, activation); ACT_FACTOR = 0.8 was measured on an H200 for Llama-3.2-1B and
-Llama-3.1-8B shapes (0.52 / 0.97 GiB per layer at 8192 tokens, see BENCHMARKS.md).
+Sizes per token per layer, bf16 (exact: these are the tensors the fused layer keeps):
+    input   2 * hidden
+    keep 1  + 2 * (2 * hidden + 2 * q_size + 2 * kv_size)   (h_mid, attention out, q, k, v)
+    keep 2  + 2 * 2 * intermediate                         (gate, up)
+The working set on top (a layer's backward: row-chunked MLP, a few [tokens, hidden] buffers, two
+layers' offloaded state in flight, the fused cross-entropy chunk, allocator slack) is
+HEADROOM_GIB + HEADROOM_HIDDEN [tokens, hidden] tensors.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-ACT_FACTOR = 0.8
-# Transient memory on top of what is kept: a fixed part (fused CE chunk, allocator slack) and the
-# working set of a layer being recomputed and back-propagated (~2.5 layers' activations; with
-# 1.5 + 1 layer the 8B plan for a 40 GiB budget peaked at 42.1 GiB on an H200).
-HEADROOM_GIB = 1.5
-HEADROOM_LAYERS = 2.5
+from ..model.fused_layer import LayerPlan
+
+HEADROOM_GIB = 1.0
+HEADROOM_HIDDEN = 8
 
 
-def kept_bytes_per_token_layer(cfg) -> float:
-    return ACT_FACTOR * 2 * (8 * cfg.hidden_size + 3 * cfg.intermediate_size + 3 * cfg.kv_size)
+def kept_bytes(cfg, tokens: int, keep: int) -> int:
+    """Bytes one layer keeps for backward at `keep`, for `tokens` tokens (bf16)."""
+    per_token = 2 * cfg.hidden_size
+    if keep >= 1:
+        per_token += 2 * (2 * cfg.hidden_size + 2 * cfg.q_size + 2 * cfg.kv_size)
+    if keep >= 2:
+        per_token += 2 * 2 * cfg.intermediate_size
+    return per_token * tokens
 
 
-def checkpoint_plan(cfg, tokens_per_micro_batch: int, budget_bytes: float,
-                    fixed_bytes: float) -> list[bool]:
-    """Per layer: True = recompute. Keeps the first layers' activations while they fit."""
+def host_memory_bytes() -> int:
+    """Physical memory of this machine (0 if unknown)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def plan_layers(cfg, tokens: int, budget_bytes: float, fixed_bytes: float,
+                host_bytes: float | None = None) -> list[LayerPlan]:
+    """Per layer, the fastest LayerPlan whose GPU memory fits `budget_bytes` beside
+    `fixed_bytes` (weights, optimizer state). Layers keep everything on the GPU from the last
+    layer backwards while it fits (the last layers' tensors are needed first in backward); the
+    others offload their attention state, or, with too little host memory for that, keep only
+    their input on the GPU."""
     L = cfg.num_hidden_layers
-    # every layer keeps at least its input when recomputed (bf16 [tokens, hidden])
-    ckpt_input = 2 * cfg.hidden_size * tokens_per_micro_batch
-    per_layer = kept_bytes_per_token_layer(cfg) * tokens_per_micro_batch
-    headroom = HEADROOM_GIB * 2**30 + HEADROOM_LAYERS * per_layer
-    free = budget_bytes - fixed_bytes - headroom - L * ckpt_input
-    keep = int(max(0, min(L, free // max(per_layer - ckpt_input, 1))))
-    return [i >= keep for i in range(L)]
+    k0, k1, k2 = (kept_bytes(cfg, tokens, k) for k in (0, 1, 2))
+    headroom = HEADROOM_GIB * 2**30 + HEADROOM_HIDDEN * 2 * cfg.hidden_size * tokens
+    free = budget_bytes - fixed_bytes - headroom - 2 * k1  # two offloaded layers in flight
+    host = host_memory_bytes() if host_bytes is None else host_bytes
+    can_offload = host >= 2 * L * k1  # leave the host at least half its memory
+    base = 0 if can_offload else k0  # GPU bytes of a layer that is not kept whole
+    free -= L * base
+    plans = [LayerPlan(keep=1, offload=True) if can_offload else LayerPlan(keep=0)] * L
+    if can_offload:
+        # the last layer's state is needed right after the forward: it stays on the GPU
+        plans[-1] = LayerPlan(keep=1)
+        free -= k1
+    for i in reversed(range(L)):
+        cost = k2 - (k1 if plans[i] == LayerPlan(keep=1) else base)
+        if free < cost:
+            break
+        free -= cost
+        plans[i] = LayerPlan(keep=2)
+    return plans
+
+
+def policy_plans(policy: str, num_layers: int) -> list[LayerPlan]:
+    """The fixed policies: none (keep everything), recompute (keep inputs), offload (attention
+    state to the host; the last layer's stays on the GPU)."""
+    if policy == "none":
+        return [LayerPlan(keep=2)] * num_layers
+    if policy == "recompute":
+        return [LayerPlan(keep=0)] * num_layers
+    if policy == "offload":
+        return [LayerPlan(keep=1, offload=True)] * (num_layers - 1) + [LayerPlan(keep=1)]
+    raise ValueError(f"unknown checkpointing policy {policy!r}")
+
+
+def describe(plans: list[LayerPlan]) -> str:
+    """'32 layers: 4 keep all, 28 offload attention' style summary."""
+    names = {(2, False): "keep all", (1, True): "offload attention state",
+             (1, False): "keep attention state", (0, False): "recompute from input",
+             (0, True): "offload input", (2, True): "offload all"}
+    counts: dict[str, int] = {}
+    for p in plans:
+        counts[names[(p.keep, p.offload)]] = counts.get(names[(p.keep, p.offload)], 0) + 1
+    return ", ".join(f"{n} {what}" for what, n in counts.items())
 
 
 def gpu_budget_bytes(device: torch.device, max_memory_gib: float | None) -> float:

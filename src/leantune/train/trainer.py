@@ -120,20 +120,30 @@ class Trainer:
             apply_lora(m, lcfg, seed=cfg.seed, dtype=torch.float32)
         self.params = [p for p in m.parameters() if p.requires_grad]
         policy = cfg.checkpointing
-        if policy == "auto" and self.device.type == "cuda":
-            from .memory import checkpoint_plan, gpu_budget_bytes
+        from .memory import describe, gpu_budget_bytes, plan_layers, policy_plans
 
+        L = m.config.num_hidden_layers
+        unsupported = m.fused_unsupported()
+        if policy == "auto" and self.device.type == "cuda":
             # fixed: weights (allocated now) + fp32 grads and two AdamW moments of trainables
             fixed = torch.cuda.memory_allocated(self.device) + sum(
                 3 * 4 * p.numel() for p in self.params)
-            plan = checkpoint_plan(m.config, cfg.batch_size * cfg.max_seq_len,
-                                   gpu_budget_bytes(self.device, cfg.max_memory_gib), fixed)
-            m.set_checkpointing(plan)
-            policy = f"auto ({sum(plan)} of {len(plan)} layers recomputed)"
+            tokens = cfg.batch_size * cfg.max_seq_len
+            budget = gpu_budget_bytes(self.device, cfg.max_memory_gib)
+            plans = plan_layers(m.config, tokens, budget, fixed)
+            if unsupported:  # autograd path: keep all, or recompute from the input
+                plans = [p if p.keep == 2 else policy_plans("recompute", 1)[0] for p in plans]
+            policy = f"auto ({describe(plans)})"
         else:
             if policy == "auto":
                 policy = "none"
-            m.set_checkpointing(policy == "recompute")
+            if policy == "offload" and unsupported:
+                self.log(f"note: --checkpointing offload needs the fused layer path, which "
+                         f"this model can't take ({unsupported}); recomputing instead")
+                policy = "recompute"
+            plans = policy_plans(policy, L)
+        m.set_layer_plans(plans)
+        m.fused = cfg.fused_layers
         self.checkpoint_policy = policy
         if cfg.compile:
             m.compile_layers()

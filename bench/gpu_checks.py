@@ -97,7 +97,8 @@ def fused_layer_checks(dev):
     pinned memory and a side stream) against autograd on the same varlen path, bf16."""
     from leantune.model.fused_layer import LayerPlan
 
-    for window in (None, 37):
+    for window, lens in ((None, [[100, 300, 57, 55], [512]]), (37, [[100, 300, 57, 55], [512]]),
+                         (None, [[512], [512]])):  # the last: one document per row -> cuDNN
         d = hf_config("tiny").to_dict()
         d.update(hidden_size=256, intermediate_size=512, num_attention_heads=8,
                  num_key_value_heads=2, head_dim=32, vocab_size=1000, num_hidden_layers=4)
@@ -108,7 +109,6 @@ def fused_layer_checks(dev):
         leantune.apply_lora(m, leantune.LoRAConfig(r=8, alpha=16), dtype=torch.float32)
         for _, layer in leantune.lora.lora_layers(m):
             torch.nn.init.normal_(layer.lora_B.weight, std=0.02)
-        lens = [[100, 300, 57, 55], [512]]
         g = torch.Generator().manual_seed(1)
         rows = []
         for r in lens:
@@ -126,7 +126,14 @@ def fused_layer_checks(dev):
             return loss.detach(), torch.cat([x.flatten() for x in gs])
 
         m.set_layer_plans([None] * 4)
+        attn.set_cudnn_attention(False)
+        flash = run()
+        attn.set_cudnn_attention(True)
         ref = run()
+        dense = len(lens[0]) == 1
+        record("gpu_check", what="autograd, cuDNN vs flash attention" if dense else
+               "autograd, flash attention twice", window=window, loss_rel=rel(ref[0], flash[0]),
+               grad_rel=rel(ref[1], flash[1]))
         plans = {"keep0": [LayerPlan(0)] * 4, "keep1": [LayerPlan(1)] * 4,
                  "keep2": [LayerPlan(2)] * 4,
                  "offload": [LayerPlan(1, True)] * 3 + [LayerPlan(1)],
@@ -135,8 +142,8 @@ def fused_layer_checks(dev):
             m.set_layer_plans(pl)
             first = run()
             again = run()  # pinned buffers reused
-            record("gpu_check", what=f"fused layer {name} vs autograd (varlen, bf16)",
-                   window=window, loss_rel=rel(first[0], ref[0]), grad_rel=rel(first[1], ref[1]),
+            record("gpu_check", what=f"fused layer {name} vs autograd (bf16)",
+                   window=window, rows="one document each" if dense else "packed", loss_rel=rel(first[0], ref[0]), grad_rel=rel(first[1], ref[1]),
                    repeat_grad_rel=rel(again[1], first[1]))
 
 

@@ -53,6 +53,16 @@ def profile(shape, policy, tokens_rows, seq, device):
     for _ in range(3):
         trainer.train_step([b])
     torch.cuda.synchronize()
+    # peak memory of the forward (+ loss) alone, and of the whole step
+    torch.cuda.reset_peak_memory_stats()
+    loss = trainer.model.loss_sum(b)
+    torch.cuda.synchronize()
+    peak_fwd = torch.cuda.max_memory_allocated() / 2**30
+    loss.backward()
+    trainer.optimizer.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    record("memory", shape=shape, policy=policy, peak_fwd_gib=round(peak_fwd, 3),
+           peak_step_gib=round(torch.cuda.max_memory_allocated() / 2**30, 3))
     from torch.profiler import ProfilerActivity, profile as tprofile
     steps = 2
     with tprofile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
@@ -138,6 +148,68 @@ def copy_bandwidth(device, mib=64):
     record("copy_bandwidth", mib=mib, **res)
 
 
+def attention_backends(device, B=4, T=2048, Hq=32, Hk=8, D=128):
+    """fwd and fwd+bwd ms of causal attention at the 8B shape: the flash op we call, and SDPA's
+    flash / cuDNN / efficient backends (k/v expanded to Hq heads where GQA is not native)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from leantune.model.attention import AttentionMeta, attention_backward, attention_forward
+
+    q = torch.randn(B, T, Hq, D, device=device, dtype=torch.bfloat16)
+    k = torch.randn(B, T, Hk, D, device=device, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    meta = AttentionMeta.build((B, T), device, None, None, T, {None})
+    res = {}
+
+    def timed(fn, n=10):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(n):
+            fn()
+        e.record()
+        torch.cuda.synchronize()
+        return round(s.elapsed_time(e) / n, 3)
+
+    out, aux = attention_forward(q, k, v, meta, None, D ** -0.5)
+    dout = torch.randn_like(out)
+    res["flash_op fwd"] = timed(lambda: attention_forward(q, k, v, meta, None, D ** -0.5))
+    res["flash_op bwd"] = timed(lambda: attention_backward(dout, q, k, v, out, aux, meta, None,
+                                                           D ** -0.5))
+    qt = q.transpose(1, 2)
+    kt = k.repeat_interleave(Hq // Hk, 2).transpose(1, 2)
+    vt = v.repeat_interleave(Hq // Hk, 2).transpose(1, 2)
+    for name, be in (("sdpa_flash", SDPBackend.FLASH_ATTENTION),
+                     ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION),
+                     ("sdpa_efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        try:
+            with sdpa_kernel(be):
+                qq, kk, vv = (t.detach().requires_grad_() for t in (qt, kt, vt))
+                res[name + " fwd"] = timed(lambda: torch.nn.functional.scaled_dot_product_attention(
+                    qq, kk, vv, is_causal=True))
+                o = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True)
+                g = torch.randn_like(o)
+                res[name + " fwd+bwd"] = timed(lambda: torch.autograd.grad(
+                    torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True),
+                    (qq, kk, vv), g))
+        except Exception as ex:  # backend not available for these inputs
+            res[name] = f"{type(ex).__name__}: {str(ex)[:80]}"
+    from leantune.model import attention as attn_mod
+
+    for gqa in (True, False):
+        attn_mod._CUDNN_GQA = gqa
+        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+        o = attn_mod._cudnn_causal(qq, kk, vv, D ** -0.5)
+        g = torch.randn_like(o)
+        res[f"leantune_cudnn gqa={gqa} fwd+bwd"] = timed(lambda: torch.autograd.grad(
+            attn_mod._cudnn_causal(qq, kk, vv, D ** -0.5), (qq, kk, vv), g))
+        res[f"leantune_cudnn gqa={gqa} native"] = attn_mod._CUDNN_GQA
+    attn_mod._CUDNN_GQA = attn_mod._SDPA_GQA
+    record("attention_backends", B=B, T=T, Hq=Hq, Hk=Hk, D=D, **res)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", nargs="+", default=["llama-3.1-8b"])
@@ -145,8 +217,11 @@ def main():
     ap.add_argument("--rows", type=int, default=4)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--no-ceilings", action="store_true")
+    ap.add_argument("--attention", action="store_true", help="time attention backends too")
     args = ap.parse_args()
     device = torch.device("cuda")
+    if args.attention:
+        attention_backends(device)
     if not args.no_ceilings:
         copy_bandwidth(device)
         for shape in args.shape:

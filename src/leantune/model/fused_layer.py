@@ -32,6 +32,7 @@ dropout, q/k norm); otherwise the model falls back to autograd (+ torch.utils.ch
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -42,8 +43,9 @@ from ..kernels.swiglu import ACTS, glu_bwd_, glu_fwd
 from .activation_store import ActivationStore
 from .attention import AttentionMeta, attention_backward, attention_forward
 
-# The MLP runs in row chunks whose [rows, intermediate] tensors stay under this many bytes.
-MLP_CHUNK_BYTES = 128 * 2**20
+# The MLP runs in row chunks whose [rows, intermediate] tensors stay under this many bytes
+# (LEANTUNE_MLP_CHUNK_MIB overrides, for benchmarks).
+MLP_CHUNK_BYTES = int(float(os.environ.get("LEANTUNE_MLP_CHUNK_MIB", 128)) * 2**20)
 
 
 @dataclass(frozen=True)
@@ -182,7 +184,7 @@ class LayerRun:
                  store: ActivationStore, prev: "LayerRun | None"):
         self.layer, self.cos, self.sin, self.meta, self.plan = layer, cos, sin, meta, plan
         self.store, self.prev = store, prev
-        self.handle = None
+        self.handle = self.aux = None
         self.params = lora_params(layer)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -212,8 +214,12 @@ class LayerRun:
         return xn1, rstd1, q4, k4, v4, out4, aux
 
     def _chunks(self, n: int, keep_gu: bool):
+        """Row slices for the MLP: equal parts, multiples of 256 rows (whole GEMM tiles)."""
         inter = self.layer.mlp.up_proj.out_features
-        rows = n if keep_gu else max(1, MLP_CHUNK_BYTES // (2 * inter))
+        parts = 1 if keep_gu else max(1, -(-n * 2 * inter // MLP_CHUNK_BYTES))
+        rows = -(-n // parts)
+        if parts > 1 and rows > 256:
+            rows = -(-rows // 256) * 256
         return [slice(r, min(n, r + rows)) for r in range(0, n, rows)] or [slice(0, 0)]
 
     # --- forward -----------------------------------------------------------------------------
@@ -223,7 +229,8 @@ class LayerRun:
         self.qkv, self.o, self.gu, self.down = self._groups(x.dtype)
         self.act = _act_code(self.layer.mlp.act)
         _, _, q4, k4, v4, out4, aux = self._attention(x2, x.shape)
-        h_mid = self.o.forward(out4.view(B * T, -1), resid=x2)[0]
+        attn2 = out4.reshape(B * T, -1)  # [N, Hq * D] (a copy only if attention returned a view)
+        h_mid = self.o.forward(attn2, resid=x2)[0]
         keep = self.plan.keep
         xn2, _ = self._norm("post_attention_layernorm", h_mid)
         out = torch.empty_like(h_mid)
@@ -233,9 +240,8 @@ class LayerRun:
             self.down.forward(a, resid=h_mid[rows], out=out[rows])
         kept = {"x": x2}
         if keep >= 1:
-            kept.update(h_mid=h_mid, q=q4, k=k4, v=v4, attn=out4)
-            if aux is not None:
-                kept.update(lse=aux[0], rng=aux[1])
+            kept.update(h_mid=h_mid, q=q4, k=k4, v=v4, attn=attn2)
+            self.aux = aux  # flash log-sum-exp (fp32 [Hq, N]) and rng state: small, stays here
         if keep >= 2:
             kept.update(g=g, u=u)
         self.handle = self.store.put(kept, self.plan.offload)
@@ -255,11 +261,12 @@ class LayerRun:
         keep = self.plan.keep
         if keep == 0:
             xn1, rstd1, q4, k4, v4, out4, aux = self._attention(x2, self.shape)
-            h_mid = self.o.forward(out4.view(N, -1), resid=x2)[0]
+            h_mid = self.o.forward(out4.reshape(N, -1), resid=x2)[0]
         else:
             xn1, rstd1 = self._norm("input_layernorm", x2)
-            q4, k4, v4, out4, h_mid = (kept[n] for n in ("q", "k", "v", "attn", "h_mid"))
-            aux = (kept["lse"], kept["rng"]) if "lse" in kept else None
+            q4, k4, v4, h_mid = (kept[n] for n in ("q", "k", "v", "h_mid"))
+            out4 = kept["attn"].view(q4.shape)
+            aux = self.aux
 
         # MLP: out = h_mid + down(act(gate(xn2)) * up(xn2))
         xn2, rstd2 = self._norm("post_attention_layernorm", h_mid)
@@ -282,7 +289,7 @@ class LayerRun:
 
         # attention: h_mid = x + o(attn(rope(q, k), v))
         at = self.layer.self_attn
-        dattn = self.o.backward(out4.view(N, -1), [dh_mid], grads)
+        dattn = self.o.backward(out4.reshape(N, -1), [dh_mid], grads)
         dq, dk, dv = attention_backward(dattn.view(out4.shape), q4, k4, v4, out4, aux,
                                         self.meta, at.window, at.scale)
         del dattn, q4, k4, v4, out4, aux
@@ -293,7 +300,7 @@ class LayerRun:
         norm = self.layer.input_layernorm
         dx = rms_norm_bwd(dxn1, x2, norm.weight, rstd1, norm.offset).add_(dh_mid)
         self.store.release(self.handle)
-        self.handle = self.qkv = self.o = self.gu = self.down = None
+        self.handle = self.qkv = self.o = self.gu = self.down = self.aux = None
         return dx.view(B, T, H), grads
 
 

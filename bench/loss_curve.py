@@ -85,12 +85,13 @@ def hf_train(pm, loader, steps, lr, warmup, device):
 
 
 def run(shape: str, steps: int, device: torch.device, seq_len: int, batch: int, lr: float,
-        checkpointing: str = "offload", fused: bool = True):
+        checkpointing: str = "offload", fused: bool = True, dtype=None):
     vocab = 128256 if shape != "tiny" else 1000
     docs = make_documents(600 if shape != "tiny" else 40, vocab, seed=1,
                           hi=1024 if shape != "tiny" else 96, lo=64 if shape != "tiny" else 8)
-    base = leantune_model(shape, device, dtype=torch.bfloat16 if device.type == "cuda"
-                          else torch.float32)
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    base = leantune_model(shape, device, dtype=dtype)
 
     # leantune: the real Trainer over the same documents (it attaches LoRA itself)
     out = Path(tempfile.mkdtemp())
@@ -98,7 +99,8 @@ def run(shape: str, steps: int, device: torch.device, seq_len: int, batch: int, 
                       warmup_steps=3, max_steps=steps, seed=0, progress=False, eval_every=0,
                       lora_r=16, lora_alpha=16, overwrite=True,
                       device=str(device), checkpointing=checkpointing if device.type == "cuda"
-                      else "none", fused_layers=fused)
+                      else "none", fused_layers=fused,
+                      dtype=str(dtype).replace("torch.", "") if dtype else None)
     trainer = Trainer(cfg, model=base, train_data=docs, log=lambda *a: None)
     init_lora = {n: p.detach().clone() for n, p in base.named_parameters() if p.requires_grad}
     if device.type == "cuda":
@@ -125,7 +127,8 @@ def run(shape: str, steps: int, device: torch.device, seq_len: int, batch: int, 
     loader = PackedLoader(docs, batch, seq_len, seed=0, shuffle=True)
     hf_losses, hf_tok_s, hf_peak = hf_train(pm, loader, steps, lr, 3, device)
     gaps = [abs(a - b) / abs(b) for a, b in zip(ours_losses, hf_losses)]
-    record("loss_curve", shape=shape, checkpointing=checkpointing, fused=fused, steps=steps, seq_len=seq_len, batch=batch,
+    record("loss_curve", shape=shape, checkpointing=checkpointing, fused=fused,
+           dtype=str(base.model.embed_tokens.weight.dtype), steps=steps, seq_len=seq_len, batch=batch,
            ours_tok_s=ours_tok_s, hf_tok_s=hf_tok_s, ours_peak_gib=ours_peak,
            hf_peak_gib=hf_peak, max_rel_gap=max(gaps), mean_rel_gap=sum(gaps) / len(gaps),
            ours_first_last=[ours_losses[0], ours_losses[-1]],
@@ -143,6 +146,7 @@ def main():
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--lr", type=float, default=2e-4)
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)
     ap.add_argument("--no-fused", action="store_true", help="autograd layers (no fused backward)")
     ap.add_argument("--checkpointing", default="offload",
                     help="leantune's policy (the HF reference keeps all activations)")
@@ -150,7 +154,7 @@ def main():
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     for shape in args.shape:
         run(shape, args.steps, device, args.seq_len, args.batch, args.lr, args.checkpointing,
-            not args.no_fused)
+            not args.no_fused, getattr(torch, args.dtype) if args.dtype else None)
 
 
 if __name__ == "__main__":

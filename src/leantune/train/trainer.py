@@ -137,11 +137,16 @@ class Trainer:
         else:
             if policy == "auto":
                 policy = "none"
+            if policy == "offload" and self.device.type != "cuda":
+                raise LeantuneError("--checkpointing offload needs a CUDA device (it copies "
+                                    "activations to pinned host memory); use recompute or none")
             if policy == "offload" and unsupported:
                 self.log(f"note: --checkpointing offload needs the fused layer path, which "
                          f"this model can't take ({unsupported}); recomputing instead")
                 policy = "recompute"
             plans = policy_plans(policy, L)
+            if policy == "none" and self.device.type != "cuda":
+                plans = [None] * L  # on the CPU plain autograd is faster (measured: the demo)
         m.set_layer_plans(plans)
         m.fused = cfg.fused_layers
         self.checkpoint_policy = policy

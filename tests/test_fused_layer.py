@@ -101,3 +101,20 @@ def test_bf16_close_to_autograd():
     # bf16: the fused path rounds at other points (residual adds inside the GEMMs)
     check(model, [LayerPlan(0), LayerPlan(1), LayerPlan(2)], rtol=0.05, atol=2e-3,
           loss_rtol=5e-3)
+
+
+def test_frozen_lower_layers_keep_nothing():
+    """Layers that autograd never back-propagates (no trainable weight, input needs no grad) keep
+    and offload nothing, and the layer above does not prefetch them (on CUDA that prefetch was
+    never waited for: its GPU buffers were freed while the side stream still wrote them)."""
+    model = model_for(CONFIGS["llama"])
+    for layer in model.model.layers[:2]:
+        for p in layer.parameters():
+            p.requires_grad_(False)
+    store = model.activation_store
+    handles = []
+    put = store.put
+    store.put = lambda tensors, offload: handles.append(put(tensors, offload)) or handles[-1]
+    check(model, [LayerPlan(1, offload=True)] * 3)
+    assert len(handles) == 1  # only the top layer kept anything
+    assert handles[0].gpu is None and handles[0].host is None  # and released it

@@ -186,8 +186,14 @@ class LayerRun:
         self.store, self.prev = store, prev
         self.handle = self.aux = None
         self.params = lora_params(layer)
+        self.in_graph = True  # whether autograd will call backward (set per call)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # Without a trainable input or weight autograd never calls this layer's backward (e.g.
+        # lower layers frozen): keep nothing, so no tensors are held, offloaded or prefetched for
+        # a backward that never comes (a prefetch never waited for would free its GPU buffers
+        # while the side stream still writes them).
+        self.in_graph = torch.is_grad_enabled() and (x.requires_grad or bool(self.params))
         return _FusedLayerFunction.apply(x, self, *self.params)
 
     # --- pieces ------------------------------------------------------------------------------
@@ -244,6 +250,9 @@ class LayerRun:
             self.aux = aux  # flash log-sum-exp (fp32 [Hq, N]) and rng state: small, stays here
         if keep >= 2:
             kept.update(g=g, u=u)
+        if not self.in_graph:
+            self.qkv = self.o = self.gu = self.down = self.aux = None
+            return out.view(B, T, H)
         self.handle = self.store.put(kept, self.plan.offload)
         self.shape = x.shape
         return out.view(B, T, H)

@@ -118,3 +118,29 @@ def test_frozen_lower_layers_keep_nothing():
     check(model, [LayerPlan(1, offload=True)] * 3)
     assert len(handles) == 1  # only the top layer kept anything
     assert handles[0].gpu is None and handles[0].host is None  # and released it
+
+
+def test_pinned_pool_reuses_best_fit_and_stays_bounded(monkeypatch):
+    from leantune.model import activation_store as st
+
+    made = []
+    monkeypatch.setattr(st, "_new_pinned", lambda n: made.append(n) or torch.empty(n, dtype=torch.uint8))
+    store = st.ActivationStore()
+
+    def take(*sizes):
+        h = st._Handle()
+        bufs = [store._pinned(torch.empty(n, dtype=torch.bfloat16), h) for n in sizes]
+        assert [b.shape[0] for b in bufs] == list(sizes) and all(b.dtype == torch.bfloat16 for b in bufs)
+        return h
+
+    a, b = take(100, 30), take(100, 30)
+    assert made == [200, 60, 200, 60]
+    store.release(a)
+    store.release(b)
+    c = take(20, 90)  # smaller requests reuse the smallest buffers that hold them
+    assert made == [200, 60, 200, 60] and sorted(x.numel() for x in c.raw) == [60, 200]
+    store.release(c)
+    d = take(150)  # larger than any pooled buffer: a new one; the pool never exceeds the peak
+    assert made[-1] == 300
+    store.release(d)
+    assert store.pooled_bytes() + store._in_use <= store._peak_use

@@ -125,3 +125,21 @@ def test_hand_built_batch_without_host_lengths_keeps_documents_apart():
     assert bare.seq_lens == full.seq_lens and bare.max_seqlen == full.max_seqlen
     with torch.no_grad():
         torch.testing.assert_close(model(batch=bare).logits, model(batch=full).logits)
+
+
+def test_autograd_plans_never_offload_and_budget_autograd_activations():
+    cfg = ModelConfig.from_dict(dict(CFG, hidden_size=4096, intermediate_size=14336,
+                                     num_hidden_layers=32, num_attention_heads=32,
+                                     num_key_value_heads=8, head_dim=128))
+    gib = 2**30
+    for budget in (20, 40, 80):
+        plans = plan_layers(cfg, 8192, budget * gib, 16 * gib, host_bytes=512 * gib, autograd=True)
+        assert {p for p in plans} <= {LayerPlan(0), LayerPlan(2)}
+        kept = sum(p.keep == 2 for p in plans)
+        used = (kept * kept_bytes(cfg, 8192, 2, autograd=True)
+                + (32 - kept) * kept_bytes(cfg, 8192, 0))
+        assert 16 * gib + used <= budget * gib
+    # fp32 activations are twice the size: fewer layers fit
+    bf16 = plan_layers(cfg, 8192, 40 * gib, 16 * gib, host_bytes=512 * gib)
+    fp32 = plan_layers(cfg, 8192, 40 * gib, 16 * gib, host_bytes=512 * gib, itemsize=4)
+    assert sum(p.keep == 2 for p in fp32) < sum(p.keep == 2 for p in bf16)

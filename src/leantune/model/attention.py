@@ -137,6 +137,8 @@ def _cudnn_causal(q, k, v, scale):
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                                  v.transpose(1, 2), is_causal=True, scale=scale,
                                                  **kw)
+    except torch.OutOfMemoryError:
+        raise
     except RuntimeError:
         if kw:  # this build's cuDNN path has no native GQA: repeat the heads from now on
             _CUDNN_GQA = False
@@ -185,8 +187,12 @@ def _flash_window(window: int | None) -> tuple[bool, int]:
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta,
-                      window: int | None, scale: float):
-    """q: [B, T, Hq, D], k/v: [B, T, Hk, D] -> (out [B, T, Hq, D], aux for attention_backward)."""
+                      window: int | None, scale: float, for_backward: bool = False):
+    """q: [B, T, Hq, D], k/v: [B, T, Hk, D] -> (out [B, T, Hq, D], aux for attention_backward).
+
+    aux: flash attention's (log-sum-exp, rng state); on other paths None (backward re-runs
+    attention under autograd), or, with `for_backward` (a recompute right before backward), the
+    autograd graph of this call, so backward does not run attention a third time."""
     B, T, Hq, D = q.shape
     dense = meta.path == "varlen" and meta.dense and window is None and _CUDNN_DENSE
     if meta.path == "varlen" and _FLASH_OPS and not dense:
@@ -196,6 +202,11 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: A
             meta.cu_seqlens, meta.max_seqlen, meta.max_seqlen, 0.0, causal, False, scale=scale,
             window_size_left=left, window_size_right=0)
         return out.view(B, T, Hq, D), (lse, rng)
+    if for_backward:
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            out = attention(*leaves, meta, window, scale)
+        return out.detach(), ("graph", out, leaves)
     with torch.no_grad():
         return attention(q, k, v, meta, window, scale), None
 
@@ -205,6 +216,9 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) for dout [B, T, Hq, D], given attention_forward's inputs/outputs."""
     B, T, Hq, D = q.shape
+    if aux is not None and isinstance(aux[0], str):  # ("graph", out, leaves)
+        _, out_graph, leaves = aux
+        return torch.autograd.grad(out_graph, leaves, dout)
     if aux is not None:
         lse, rng = aux
         causal, left = _flash_window(window)

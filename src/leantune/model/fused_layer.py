@@ -10,6 +10,7 @@ x: [N, H] (N = B*T tokens), h_mid = x + attn(norm1(x)), out = h_mid + mlp(norm2(
                                                     attention, o, norm2, gate/up
     keep 1 "attention":  x, h_mid, q, k, v (rotated), attention output (+ its log-sum-exp)
                                                     backward recomputes norm1, norm2, gate/up
+                                                    (and, off the flash path, attention)
     keep 2 "all":        keep 1 + gate and up       backward recomputes the norms and activation
 
 The down projection is never recomputed (its output is not needed in backward), nor, from keep 1
@@ -68,8 +69,17 @@ def _act_code(name: str) -> int | None:
     return None
 
 
+def _autocast_on() -> bool:
+    try:
+        return torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu")
+    except TypeError:  # torch < 2.4: no device argument
+        return torch.is_autocast_enabled()
+
+
 def fused_unsupported(layer) -> str | None:
     """Why `layer` can't take the fused path (None if it can)."""
+    if _autocast_on():
+        return "torch.autocast"
     attn, mlp = layer.self_attn, layer.mlp
     if attn.q_norm is not None:
         return "q/k norm"
@@ -139,12 +149,14 @@ class _Group:
         return ys
 
     def backward(self, x: torch.Tensor, dys: list[torch.Tensor], grads: dict,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
-        """Input gradient sum_i dy_i W_i + ga A_cat (into `out` if given); LoRA grads into
-        `grads` (param -> fp32 tensor, accumulated)."""
-        dx = torch.mm(dys[0], self.w[0], out=out)
-        for dy, w in zip(dys[1:], self.w[1:]):
-            dx.addmm_(dy, w)
+                 out: torch.Tensor | None = None, need_dx: bool = True) -> torch.Tensor | None:
+        """Input gradient sum_i dy_i W_i + ga A_cat (into `out` if given; None without
+        `need_dx`); LoRA grads into `grads` (param -> fp32 tensor, accumulated)."""
+        dx = None
+        if need_dx:
+            dx = torch.mm(dys[0], self.w[0], out=out)
+            for dy, w in zip(dys[1:], self.w[1:]):
+                dx.addmm_(dy, w)
         if self.a is None:
             return dx
         xa = x @ self.a.t()
@@ -162,7 +174,8 @@ class _Group:
         for m, cols in zip(self.mods, self.cols):
             if cols is not None:
                 _accumulate(grads, m.lora_A.weight, ga_x[cols], 1.0)
-        dx.addmm_(ga, self.a)
+        if dx is not None:
+            dx.addmm_(ga, self.a)
         return dx
 
 
@@ -206,7 +219,7 @@ class LayerRun:
         n = getattr(self.layer, which)
         return rms_norm_fwd(x2, n.weight, n.eps, n.offset)
 
-    def _attention(self, x2, shape):
+    def _attention(self, x2, shape, for_backward: bool = False):
         """norm1 -> q, k, v -> RoPE -> attention; returns xn1, rstd1, q4, k4, v4, out4, aux."""
         B, T, _ = shape
         at = self.layer.self_attn
@@ -216,17 +229,20 @@ class LayerRun:
         k4 = k.view(B, T, at.num_kv_heads, at.head_dim)
         v4 = v.view(B, T, at.num_kv_heads, at.head_dim)
         rope_(q4, k4, self.cos, self.sin)
-        out4, aux = attention_forward(q4, k4, v4, self.meta, at.window, at.scale)
+        out4, aux = attention_forward(q4, k4, v4, self.meta, at.window, at.scale,
+                                      for_backward)
         return xn1, rstd1, q4, k4, v4, out4, aux
 
     def _chunks(self, n: int, keep_gu: bool):
         """Row slices for the MLP: equal parts, multiples of 256 rows (whole GEMM tiles)."""
+        if n == 0:
+            return [slice(0, 0)]
         inter = self.layer.mlp.up_proj.out_features
         parts = 1 if keep_gu else max(1, -(-n * 2 * inter // MLP_CHUNK_BYTES))
         rows = -(-n // parts)
         if parts > 1 and rows > 256:
             rows = -(-rows // 256) * 256
-        return [slice(r, min(n, r + rows)) for r in range(0, n, rows)] or [slice(0, 0)]
+        return [slice(r, min(n, r + rows)) for r in range(0, n, rows)]
 
     # --- forward -----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -258,7 +274,8 @@ class LayerRun:
         return out.view(B, T, H)
 
     # --- backward ----------------------------------------------------------------------------
-    def backward(self, dout: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    def backward(self, dout: torch.Tensor, need_dx: bool = True
+                 ) -> tuple[torch.Tensor | None, dict]:
         B, T, H = self.shape
         N = B * T
         kept = self.store.get(self.handle)
@@ -269,7 +286,7 @@ class LayerRun:
         x2 = kept["x"]
         keep = self.plan.keep
         if keep == 0:
-            xn1, rstd1, q4, k4, v4, out4, aux = self._attention(x2, self.shape)
+            xn1, rstd1, q4, k4, v4, out4, aux = self._attention(x2, self.shape, True)
             h_mid = self.o.forward(out4.reshape(N, -1), resid=x2)[0]
         else:
             xn1, rstd1 = self._norm("input_layernorm", x2)
@@ -304,13 +321,16 @@ class LayerRun:
         del dattn, q4, k4, v4, out4, aux
         dq, dk, dv = dq.contiguous(), dk.contiguous(), dv.contiguous()
         rope_(dq, dk, self.cos, self.sin, inverse=True)
-        dxn1 = self.qkv.backward(xn1, [dq.view(N, -1), dk.view(N, -1), dv.view(N, -1)], grads)
+        dxn1 = self.qkv.backward(xn1, [dq.view(N, -1), dk.view(N, -1), dv.view(N, -1)], grads,
+                                 need_dx=need_dx)
         del dq, dk, dv
-        norm = self.layer.input_layernorm
-        dx = rms_norm_bwd(dxn1, x2, norm.weight, rstd1, norm.offset).add_(dh_mid)
+        dx = None
+        if need_dx:  # not for the first layer: its input is the (frozen) embedding
+            norm = self.layer.input_layernorm
+            dx = rms_norm_bwd(dxn1, x2, norm.weight, rstd1, norm.offset).add_(dh_mid).view(B, T, H)
         self.store.release(self.handle)
         self.handle = self.qkv = self.o = self.gu = self.down = self.aux = None
-        return dx.view(B, T, H), grads
+        return dx, grads
 
 
 class _FusedLayerFunction(torch.autograd.Function):
@@ -320,9 +340,12 @@ class _FusedLayerFunction(torch.autograd.Function):
         return run.forward(x)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         run = ctx.run
+        if run is None:
+            raise RuntimeError("leantune's fused layers support one backward per forward "
+                               "(retain_graph=True is not supported); set model.fused = False")
         ctx.run = None
-        dx, grads = run.backward(dout.contiguous())
-        return (dx if ctx.needs_input_grad[0] else None, None,
-                *[grads.get(p) for p in run.params])
+        dx, grads = run.backward(dout.contiguous(), need_dx=ctx.needs_input_grad[0])
+        return (dx, None, *[grads.get(p) for p in run.params])

@@ -27,15 +27,26 @@ from ..model.fused_layer import LayerPlan
 HEADROOM_GIB = 1.0
 HEADROOM_HIDDEN = 8
 
+# The autograd path (no fused layers: q/k norm, LoRA dropout, full fine-tuning, --no-fused-layers)
+# keeps what autograd saves: ~ACT_FACTOR * (8 hidden + 3 intermediate + 3 kv) values per token
+# per layer (measured on an H200 for Llama-3.2-1B / 3.1-8B shapes), plus a working set of a fixed
+# part and 2.5 layers' activations; layers it does not keep are recomputed from their input.
+ACT_FACTOR = 0.8
+AUTOGRAD_HEADROOM_GIB = 1.5
+AUTOGRAD_HEADROOM_LAYERS = 2.5
 
-def kept_bytes(cfg, tokens: int, keep: int) -> int:
-    """Bytes one layer keeps for backward at `keep`, for `tokens` tokens (bf16)."""
-    per_token = 2 * cfg.hidden_size
+
+def kept_bytes(cfg, tokens: int, keep: int, itemsize: int = 2, autograd: bool = False) -> int:
+    """Bytes one layer keeps for backward at `keep`, for `tokens` tokens of `itemsize` bytes."""
+    if autograd and keep == 2:
+        return int(ACT_FACTOR * itemsize * tokens * (
+            8 * cfg.hidden_size + 3 * cfg.intermediate_size + 3 * cfg.kv_size))
+    per_token = cfg.hidden_size
     if keep >= 1:
-        per_token += 2 * (2 * cfg.hidden_size + 2 * cfg.q_size + 2 * cfg.kv_size)
+        per_token += 2 * cfg.hidden_size + 2 * cfg.q_size + 2 * cfg.kv_size
     if keep >= 2:
-        per_token += 2 * 2 * cfg.intermediate_size
-    return per_token * tokens
+        per_token += 2 * cfg.intermediate_size
+    return itemsize * per_token * tokens
 
 
 def host_memory_bytes() -> int:
@@ -47,18 +58,25 @@ def host_memory_bytes() -> int:
 
 
 def plan_layers(cfg, tokens: int, budget_bytes: float, fixed_bytes: float,
-                host_bytes: float | None = None) -> list[LayerPlan]:
+                host_bytes: float | None = None, itemsize: int = 2,
+                autograd: bool = False) -> list[LayerPlan]:
     """Per layer, the fastest LayerPlan whose GPU memory fits `budget_bytes` beside
     `fixed_bytes` (weights, optimizer state). Layers keep everything on the GPU from the last
     layer backwards while it fits (the last layers' tensors are needed first in backward); the
-    others offload their attention state, or, with too little host memory for that, keep only
-    their input on the GPU."""
+    others offload their attention state, or, with too little host memory for that (or on the
+    autograd path, which cannot offload), keep only their input on the GPU."""
     L = cfg.num_hidden_layers
-    k0, k1, k2 = (kept_bytes(cfg, tokens, k) for k in (0, 1, 2))
-    headroom = HEADROOM_GIB * 2**30 + HEADROOM_HIDDEN * 2 * cfg.hidden_size * tokens
-    free = budget_bytes - fixed_bytes - headroom - 2 * k1  # two offloaded layers in flight
+    k0, k1, k2 = (kept_bytes(cfg, tokens, k, itemsize, autograd) for k in (0, 1, 2))
+    if autograd:
+        headroom = AUTOGRAD_HEADROOM_GIB * 2**30 + AUTOGRAD_HEADROOM_LAYERS * k2
+        host_bytes = 0
+    else:
+        headroom = HEADROOM_GIB * 2**30 + HEADROOM_HIDDEN * itemsize * cfg.hidden_size * tokens
+    free = budget_bytes - fixed_bytes - headroom
     host = host_memory_bytes() if host_bytes is None else host_bytes
     can_offload = host >= 2 * L * k1  # leave the host at least half its memory
+    if can_offload:
+        free -= 2 * k1  # two offloaded layers in flight
     base = 0 if can_offload else k0  # GPU bytes of a layer that is not kept whole
     free -= L * base
     plans = [LayerPlan(keep=1, offload=True) if can_offload else LayerPlan(keep=0)] * L
@@ -88,7 +106,7 @@ def policy_plans(policy: str, num_layers: int) -> list[LayerPlan]:
 
 
 def describe(plans: list[LayerPlan]) -> str:
-    """'32 layers: 4 keep all, 28 offload attention' style summary."""
+    """Counts per kind, e.g. '4 keep all, 28 offload attention state'."""
     names = {(2, False): "keep all", (1, True): "offload attention state",
              (1, False): "keep attention state", (0, False): "recompute from input",
              (0, True): "offload input", (2, True): "offload all"}

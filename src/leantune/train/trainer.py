@@ -123,16 +123,18 @@ class Trainer:
         from .memory import describe, gpu_budget_bytes, plan_layers, policy_plans
 
         L = m.config.num_hidden_layers
-        unsupported = m.fused_unsupported()
+        # why layers run under autograd instead of the fused layer backward (None: they don't)
+        unsupported = ("--no-fused-layers" if not cfg.fused_layers else
+                       "--compile" if cfg.compile else m.fused_unsupported())
         if policy == "auto" and self.device.type == "cuda":
             # fixed: weights (allocated now) + fp32 grads and two AdamW moments of trainables
             fixed = torch.cuda.memory_allocated(self.device) + sum(
                 3 * 4 * p.numel() for p in self.params)
             tokens = cfg.batch_size * cfg.max_seq_len
             budget = gpu_budget_bytes(self.device, cfg.max_memory_gib)
-            plans = plan_layers(m.config, tokens, budget, fixed)
-            if unsupported:  # autograd path: keep all, or recompute from the input
-                plans = [p if p.keep == 2 else policy_plans("recompute", 1)[0] for p in plans]
+            itemsize = torch.finfo(self.dtype).bits // 8
+            plans = plan_layers(m.config, tokens, budget, fixed, itemsize=itemsize,
+                                autograd=unsupported is not None)
             policy = f"auto ({describe(plans)})"
         else:
             if policy == "auto":
@@ -142,13 +144,13 @@ class Trainer:
                                     "activations to pinned host memory); use recompute or none")
             if policy == "offload" and unsupported:
                 self.log(f"note: --checkpointing offload needs the fused layer path, which "
-                         f"this model can't take ({unsupported}); recomputing instead")
+                         f"this run can't take ({unsupported}); recomputing instead")
                 policy = "recompute"
             plans = policy_plans(policy, L)
             if policy == "none" and self.device.type != "cuda":
                 plans = [None] * L  # on the CPU plain autograd is faster (measured: the demo)
         m.set_layer_plans(plans)
-        m.fused = cfg.fused_layers
+        m.fused = cfg.fused_layers and not cfg.compile  # compiled layers run as modules
         self.checkpoint_policy = policy
         if cfg.compile:
             m.compile_layers()

@@ -20,7 +20,8 @@ and copied back one layer ahead during backward (double-buffered: while layer i 
 layer i-1's tensors load). The MLP runs over row chunks when its [rows, intermediate] tensors
 would be large, so its working set stays small.
 
-Gradients: LoRA A/B only (fp32 accumulation); the base weights and norms are frozen. LoRA math
+Gradients: LoRA A/B only, accumulated in the adapters' dtype (fp32 masters in the Trainer); the
+base weights and norms are frozen. LoRA math
 per projection (x: input, W: [out, in], A: [r, in], B: [out, r], s: scaling):
     y = x W^T + s (x A^T) B^T;   ga = s dy B;   dB = s dy^T (x A^T);   dA = ga^T x;
     dx = dy W + ga A
@@ -233,12 +234,12 @@ class LayerRun:
                                       for_backward)
         return xn1, rstd1, q4, k4, v4, out4, aux
 
-    def _chunks(self, n: int, keep_gu: bool):
+    def _chunks(self, n: int, keep_gu: bool, itemsize: int = 2):
         """Row slices for the MLP: equal parts, multiples of 256 rows (whole GEMM tiles)."""
         if n == 0:
             return [slice(0, 0)]
         inter = self.layer.mlp.up_proj.out_features
-        parts = 1 if keep_gu else max(1, -(-n * 2 * inter // MLP_CHUNK_BYTES))
+        parts = 1 if keep_gu else max(1, -(-n * itemsize * inter // MLP_CHUNK_BYTES))
         rows = -(-n // parts)
         if parts > 1 and rows > 256:
             rows = -(-rows // 256) * 256
@@ -256,7 +257,7 @@ class LayerRun:
         keep = self.plan.keep
         xn2, _ = self._norm("post_attention_layernorm", h_mid)
         out = torch.empty_like(h_mid)
-        for rows in self._chunks(B * T, keep >= 2):
+        for rows in self._chunks(B * T, keep >= 2, x.element_size()):
             g, u = self.gu.forward(xn2[rows])
             a = glu_fwd(g, u, self.act)
             self.down.forward(a, resid=h_mid[rows], out=out[rows])
@@ -297,7 +298,7 @@ class LayerRun:
         # MLP: out = h_mid + down(act(gate(xn2)) * up(xn2))
         xn2, rstd2 = self._norm("post_attention_layernorm", h_mid)
         dxn2 = torch.empty_like(xn2)
-        for rows in self._chunks(N, keep >= 2):
+        for rows in self._chunks(N, keep >= 2, dout.element_size()):
             if keep >= 2:
                 g, u = kept["g"], kept["u"]
             else:

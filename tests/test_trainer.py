@@ -365,3 +365,16 @@ def test_offload_on_cpu_is_a_one_line_error(tiny_ckpt, alpaca_file, tmp_path):  
     cfg = make_cfg(tiny_ckpt, alpaca_file, tmp_path / "run", max_steps=1, checkpointing="offload")
     with pytest.raises(LeantuneError, match="offload needs a CUDA device"):
         Trainer(cfg, log=quiet)
+
+
+@pytest.mark.parametrize("change", [{"lr": 5e-4}, {"grad_accum": 3}, {"schedule": "linear"},
+                                    {"warmup_steps": 0}])
+def test_resume_with_other_optimisation_settings_is_a_one_line_error(run_a, tmp_path,
+                                                                     monkeypatch, change):
+    cfg_b = dataclasses.replace(run_a, output=str(tmp_path / "b"))
+    with monkeypatch.context() as m:
+        _interrupted_run(cfg_b, "crash", m)
+    key = next(iter(change))
+    flag = "--" + key.replace("_", "-")
+    with pytest.raises(LeantuneError, match=f"step-00000004: the run was started with {flag} "):
+        Trainer(dataclasses.replace(cfg_b, resume=True, **change), log=quiet)

@@ -203,6 +203,7 @@ class Trainer:
             raise LeantuneError(f"{self.output}: --resume given but no checkpoint found in "
                                 f"{self.output / CKPT_DIR}; start without --resume")
         state = load_checkpoint(ckpt, self.model, self.optimizer)
+        self._check_resumed_config(ckpt, state.get("config") or {})
         self.step = int(state["step"])
         self.tokens_seen = int(state.get("tokens_seen", 0))
         self.first_eval_loss = state.get("first_eval_loss")
@@ -210,6 +211,21 @@ class Trainer:
             self.scaler.load_state_dict(state["scaler"])  # fp16 loss scale: resume exactly
         self.loader.load_state_dict(state["data"])
         self.log(f"resumed from {ckpt} at step {self.step}")
+
+    # Settings that change what the remaining steps compute: resuming with other values would
+    # not continue the interrupted run. (Data, batch size, max_seq_len, seed and the LoRA shapes
+    # are checked by the loader and the checkpoint loader.)
+    RESUME_MUST_MATCH = ("grad_accum", "lr", "weight_decay", "warmup_steps", "schedule",
+                         "max_grad_norm", "epochs", "max_steps", "dtype", "train_on_inputs")
+
+    def _check_resumed_config(self, ckpt: Path, saved: dict) -> None:
+        for key in self.RESUME_MUST_MATCH:
+            if key in saved and saved[key] != getattr(self.cfg, key):
+                flag = "--" + key.replace("_", "-")
+                raise LeantuneError(
+                    f"{ckpt}: the run was started with {flag} {saved[key]}, this command has "
+                    f"{getattr(self.cfg, key)}; resume with the same value (or start a new run "
+                    f"in another --output)")
 
     # --- one step ------------------------------------------------------------------------------
     def _set_lr(self, step: int) -> float:

@@ -218,3 +218,13 @@ def test_hub_id_downloads_only_the_weights_transformers_loads(good, monkeypatch)
                  "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json"):
         assert fetched(name), name
     assert not fetched("consolidated.safetensors")  # Mistral repos: the same weights again
+
+
+def test_bare_hub_names_are_tried_on_the_hub(tmp_path, monkeypatch):
+    """A name without an org ("gpt2") that is no local folder goes to the hub (offline here)."""
+    from leantune.model.loader import resolve_checkpoint
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(LeantuneError, match="no-such-model: no local folder of that name, and it "
+                                            "could not be downloaded from the hub"):
+        resolve_checkpoint("no-such-model")

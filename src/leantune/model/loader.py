@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -44,7 +45,9 @@ def resolve_checkpoint(name_or_path: str | os.PathLike) -> Path:
     if p.exists():
         raise LeantuneError(f"{s}: is a file; --model must be the checkpoint folder holding "
                             "config.json and *.safetensors (or a Hugging Face hub id)")
-    looks_like_hub_id = s.count("/") == 1 and not s.startswith((".", "/", "~"))
+    # org/name, or a bare name (the hub's legacy ids such as "gpt2")
+    looks_like_hub_id = (not s.startswith((".", "/", "~"))
+                         and (s.count("/") == 1 or re.fullmatch(r"[A-Za-z0-9][\w.-]*", s)))
     if not looks_like_hub_id:
         raise LeantuneError(f"{s}: model path does not exist; give a folder holding config.json "
                             "and *.safetensors, or a Hugging Face hub id like org/name")
@@ -52,8 +55,9 @@ def resolve_checkpoint(name_or_path: str | os.PathLike) -> Path:
         from huggingface_hub import snapshot_download
         return Path(snapshot_download(s, allow_patterns=CHECKPOINT_PATTERNS))
     except Exception as e:  # offline, unknown repo, gated, ...
-        raise LeantuneError(f"{s}: not a local folder and could not be downloaded from the hub "
-                            f"({type(e).__name__}); check the id, your network, or HF_TOKEN") from None
+        raise LeantuneError(f"{s}: no local folder of that name, and it could not be downloaded "
+                            f"from the hub ({type(e).__name__}); check the path or id, your "
+                            "network, or HF_TOKEN") from None
 
 
 def safetensors_files(folder: Path) -> list[Path]:

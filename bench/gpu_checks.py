@@ -27,6 +27,16 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def small_config(window: int | None, layers: int) -> ModelConfig:
+    """A small Llama-like config with GQA; Mistral with a sliding window when `window`."""
+    d = hf_config("tiny").to_dict()
+    d.update(hidden_size=256, intermediate_size=512, num_attention_heads=8,
+             num_key_value_heads=2, head_dim=32, vocab_size=1000, num_hidden_layers=layers)
+    if window:
+        d.update(model_type="mistral", sliding_window=window)
+    return ModelConfig.from_dict(d)
+
+
 def main():
     import transformers
     import triton
@@ -38,12 +48,7 @@ def main():
     dev = torch.device("cuda")
     # a small Llama-like model with GQA and sliding window variants, fp32 and bf16
     for window in (None, 37):
-        d = hf_config("tiny").to_dict()
-        d.update(hidden_size=256, intermediate_size=512, num_attention_heads=8,
-                 num_key_value_heads=2, head_dim=32, vocab_size=1000, num_hidden_layers=2)
-        if window:
-            d.update(model_type="mistral", sliding_window=window)
-        cfg = ModelConfig.from_dict(d)
+        cfg = small_config(window, layers=2)
         for dtype in (torch.float32, torch.bfloat16):
             torch.manual_seed(0)
             m = build_empty(cfg, dtype, dev)
@@ -99,12 +104,7 @@ def fused_layer_checks(dev):
 
     for window, lens in ((None, [[100, 300, 57, 55], [512]]), (37, [[100, 300, 57, 55], [512]]),
                          (None, [[512], [512]])):  # the last: one document per row -> cuDNN
-        d = hf_config("tiny").to_dict()
-        d.update(hidden_size=256, intermediate_size=512, num_attention_heads=8,
-                 num_key_value_heads=2, head_dim=32, vocab_size=1000, num_hidden_layers=4)
-        if window:
-            d.update(model_type="mistral", sliding_window=window)
-        m = build_empty(ModelConfig.from_dict(d), torch.bfloat16, dev)
+        m = build_empty(small_config(window, layers=4), torch.bfloat16, dev)
         m.init_weights(seed=0)
         leantune.apply_lora(m, leantune.LoRAConfig(r=8, alpha=16), dtype=torch.float32)
         for _, layer in leantune.lora.lora_layers(m):

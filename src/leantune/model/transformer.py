@@ -157,7 +157,9 @@ class CausalLM(nn.Module):
         return None
 
     def compile_layers(self, **kwargs) -> None:
-        """torch.compile each decoder layer as one region (layers share the compiled code)."""
+        """torch.compile each decoder layer as one region (layers share the compiled code).
+        Compiled layers run as modules, so the fused layer path is switched off."""
+        self.fused = False
         for layer in self.model.layers:
             layer.compile(**kwargs)
 

@@ -123,6 +123,9 @@ class Trainer:
         from .memory import describe, gpu_budget_bytes, plan_layers, policy_plans
 
         L = m.config.num_hidden_layers
+        m.fused = cfg.fused_layers
+        if cfg.compile:
+            m.compile_layers()  # (switches the fused layers off)
         # why layers run under autograd instead of the fused layer backward (None: they don't)
         unsupported = ("--no-fused-layers" if not cfg.fused_layers else
                        "--compile" if cfg.compile else m.fused_unsupported())
@@ -150,10 +153,7 @@ class Trainer:
             if policy == "none" and self.device.type != "cuda":
                 plans = [None] * L  # on the CPU plain autograd is faster (measured: the demo)
         m.set_layer_plans(plans)
-        m.fused = cfg.fused_layers and not cfg.compile  # compiled layers run as modules
         self.checkpoint_policy = policy
-        if cfg.compile:
-            m.compile_layers()
         m.train()
         n_train = sum(p.numel() for p in self.params)
         n_all = sum(p.numel() for p in m.parameters())

@@ -118,6 +118,15 @@ def set_cudnn_attention(enabled: bool) -> None:
     _CUDNN_DENSE = enabled
 
 
+def _bhtd(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(1, 2)  # [B, T, H, D] <-> [B, H, T, D] (a view)
+
+
+def _repeat_heads(t: torch.Tensor, rep: int) -> torch.Tensor:
+    B, T, Hk, D = t.shape
+    return t[:, :, :, None].expand(B, T, Hk, rep, D).reshape(B, T, Hk * rep, D)
+
+
 def _cudnn_causal(q, k, v, scale):
     """q: [B, T, Hq, D], k/v: [B, T, Hk, D] -> [B, T, Hq, D] (None if cuDNN refuses)."""
     global _CUDNN_DENSE
@@ -130,8 +139,7 @@ def _cudnn_causal(q, k, v, scale):
     if Hk != Hq and _CUDNN_GQA:
         kw["enable_gqa"] = True
     elif Hk != Hq:  # GQA where cuDNN wants the heads repeated (autograd sums their grads back)
-        k = k[:, :, :, None].expand(B, T, Hk, Hq // Hk, D).reshape(B, T, Hq, D)
-        v = v[:, :, :, None].expand(B, T, Hk, Hq // Hk, D).reshape(B, T, Hq, D)
+        k, v = _repeat_heads(k, Hq // Hk), _repeat_heads(v, Hq // Hk)
     try:
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
@@ -174,8 +182,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attention
 
 # ------------------------------------------------------------------------------------------------
 # Without autograd, for the hand-written decoder-layer backward (model/fused_layer.py). On the
-# varlen path the flash-attention ops are called directly: the forward's log-sum-exp is kept, so
-# backward needs no attention forward again. Elsewhere backward re-runs attention under autograd.
+# varlen path the flash-attention ops (and, for rows of one document, cuDNN's) are called
+# directly: the forward's log-sum-exp is kept, so backward needs no attention forward again.
+# Elsewhere backward re-runs attention under autograd.
 # ------------------------------------------------------------------------------------------------
 _FLASH_OPS = hasattr(torch.ops.aten, "_flash_attention_forward") and hasattr(
     torch.ops.aten, "_flash_attention_backward")
@@ -186,15 +195,67 @@ def _flash_window(window: int | None) -> tuple[bool, int]:
     return left == -1, left  # (is_causal, window_size_left); window_size_right is 0
 
 
+_CUDNN_OPS = hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention") and hasattr(
+    torch.ops.aten, "_scaled_dot_product_cudnn_attention_backward")
+
+
+def cudnn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """Causal cuDNN attention through its aten op, keeping what its backward op needs.
+
+    q: [B, T, Hq, D], k/v: [B, T, Hk, D] -> (out [B, T, Hq, D], ("cudnn", state)), state being
+    the log-sum-exp ([B, Hq, T, 1] fp32) and the op's bookkeeping outputs; None if cuDNN refuses
+    the inputs (then the caller takes flash attention, and so does every later call)."""
+    global _CUDNN_DENSE, _CUDNN_GQA
+    rep = q.shape[2] // k.shape[2]
+    if rep > 1 and not _CUDNN_GQA:
+        k, v = _repeat_heads(k, rep), _repeat_heads(v, rep)
+    try:
+        out, lse, cq, ck, mq, mk, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            _bhtd(q), _bhtd(k), _bhtd(v), None, True, 0.0, True, False, scale=scale)
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError:
+        if rep > 1 and _CUDNN_GQA:  # no native GQA in this build: repeat the heads from now on
+            _CUDNN_GQA = False
+            return cudnn_forward(q, k, v, scale)
+        _CUDNN_DENSE = False
+        return None
+    return _bhtd(out), ("cudnn", (lse, cq, ck, mq, mk, seed, offset, rep > 1 and not _CUDNN_GQA))
+
+
+def cudnn_backward(dout, q, k, v, out, state, scale):
+    """(dq, dk, dv) of cudnn_forward from its kept state; all [B, T, H, D] like the inputs."""
+    lse, cq, ck, mq, mk, seed, offset, repeated = state
+    Hk = k.shape[2]
+    rep = q.shape[2] // Hk
+    if repeated:
+        k, v = _repeat_heads(k, rep), _repeat_heads(v, rep)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        _bhtd(dout), _bhtd(q), _bhtd(k), _bhtd(v), _bhtd(out), lse, seed, offset, None, cq, ck,
+        mq, mk, 0.0, True, scale=scale)
+    dq, dk, dv = _bhtd(dq), _bhtd(dk), _bhtd(dv)
+    if repeated:  # the repeated heads' gradients sum back onto their k/v head
+        B, T, _, D = dk.shape
+        dk = dk.reshape(B, T, Hk, rep, D).sum(3)
+        dv = dv.reshape(B, T, Hk, rep, D).sum(3)
+    return dq, dk, dv
+
+
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta,
                       window: int | None, scale: float, for_backward: bool = False):
     """q: [B, T, Hq, D], k/v: [B, T, Hk, D] -> (out [B, T, Hq, D], aux for attention_backward).
 
-    aux: flash attention's (log-sum-exp, rng state); on other paths None (backward re-runs
-    attention under autograd), or, with `for_backward` (a recompute right before backward), the
-    autograd graph of this call, so backward does not run attention a third time."""
+    aux: flash attention's (log-sum-exp, rng state) or cuDNN's ("cudnn", state), so backward
+    runs no attention forward again; on other paths None (backward re-runs attention under
+    autograd), or, with `for_backward` (a recompute right before backward), the autograd graph
+    of this call, so backward does not run attention a third time."""
     B, T, Hq, D = q.shape
     dense = meta.path == "varlen" and meta.dense and window is None and _CUDNN_DENSE
+    if dense and _CUDNN_OPS and q.is_cuda:
+        res = cudnn_forward(q, k, v, scale)
+        if res is not None:
+            return res
+        dense = False
     if meta.path == "varlen" and _FLASH_OPS and not dense:
         causal, left = _flash_window(window)
         out, lse, rng, _, _ = torch.ops.aten._flash_attention_forward(
@@ -216,6 +277,8 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) for dout [B, T, Hq, D], given attention_forward's inputs/outputs."""
     B, T, Hq, D = q.shape
+    if aux is not None and isinstance(aux[0], str) and aux[0] == "cudnn":
+        return cudnn_backward(dout, q, k, v, out, aux[1], scale)
     if aux is not None and isinstance(aux[0], str):  # ("graph", out, leaves)
         _, out_graph, leaves = aux
         return torch.autograd.grad(out_graph, leaves, dout)

@@ -90,3 +90,37 @@ def test_non_contiguous_input():
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
     for a, b in zip(g, g_ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_plain_forward_into_wider_buffer(backend):
+    """rms_norm_fwd(out=) writes the left columns of a wider buffer (the fused layer's packed
+    input) and leaves the rest alone."""
+    from leantune.kernels.rmsnorm import rms_norm_fwd
+
+    x = torch.randn(7, 72)
+    w = torch.randn(72)
+    buf = torch.full((7, 80), 5.0)
+    with kernels.backend(backend):
+        y, rstd = rms_norm_fwd(x, w, EPS, 0.0, out=buf[:, :72])
+    assert y.data_ptr() == buf.data_ptr()
+    torch.testing.assert_close(buf[:, :72], rms_norm_reference(x, w, EPS), rtol=1e-5, atol=1e-5)
+    assert (buf[:, 72:] == 5).all()
+    torch.testing.assert_close(rstd, torch.rsqrt(x.pow(2).mean(-1) + EPS))
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plain_backward_adds_the_residual_gradient(backend, dtype):
+    """rms_norm_bwd(residual=r) = rms_norm_bwd() + r, rounded once."""
+    from leantune.kernels.rmsnorm import rms_norm_bwd, rms_norm_fwd
+
+    x, dy, r = (torch.randn(9, 100).to(dtype) for _ in range(3))
+    w = torch.randn(100).to(dtype)
+    with kernels.backend(backend):
+        _, rstd = rms_norm_fwd(x, w, EPS)
+        plain = rms_norm_bwd(dy, x, w, rstd)
+        with_res = rms_norm_bwd(dy, x, w, rstd, residual=r)
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(with_res, (plain.float() + r.float()).to(dtype), rtol=rtol,
+                               atol=atol)

@@ -76,3 +76,44 @@ def test_backward_reuses_saved_buffers_and_guards_retain_graph():
     assert dg.data_ptr() == g.data_ptr() and du.data_ptr() == u.data_ptr()  # in place
     with pytest.raises(RuntimeError, match="inplace"):  # the saved buffers now hold grads
         torch.autograd.grad(out, (g, u), torch.ones_like(out))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ACTS)
+@pytest.mark.parametrize("rows,inter", [(5, 37), (1, 1), (3, 1030)])
+def test_plain_functions_row_strided(dtype, name, rows, inter):
+    """glu_fwd / glu_bwd_ as the fused layer calls them: gate and up are the two column halves
+    of one [rows, 2 I] GEMM output, the forward writes into the left columns of a wider buffer,
+    and the backward writes d gate / d up in place and act(gate) * up over dy (aliased)."""
+    from leantune.kernels.swiglu import ACTS as CODES, glu_bwd_, glu_fwd
+
+    act = CODES[name.replace("_none", "")]
+    gu0 = (torch.randn(rows, 2 * inter) * 3).to(dtype)
+    dy0 = torch.randn(rows, inter, dtype=dtype)
+    g_ref = gu0[:, :inter].float().requires_grad_()
+    u_ref = gu0[:, inter:].float().requires_grad_()
+    with kernels.backend("reference"):
+        h_ref = _op(name, g_ref, u_ref)
+    dg_ref, du_ref = torch.autograd.grad(h_ref, (g_ref, u_ref), dy0.float())
+    # fp32: 3000 values over a wide range meet the kernel's exp-built tanh in the last bits
+    rtol, atol = TOL[dtype] if dtype != torch.float32 else (1e-5, 5e-5)
+    for backend in ("triton", "reference"):
+        with kernels.backend(backend):
+            wide = torch.full((rows, inter + 3), 7.0, dtype=dtype)
+            h = glu_fwd(gu0[:, :inter], gu0[:, inter:], act, out=wide[:, :inter])
+            assert h.data_ptr() == wide.data_ptr()
+            torch.testing.assert_close(h.float(), h_ref.detach(), rtol=rtol, atol=atol)
+            assert (wide[:, inter:] == 7).all()  # columns beside the output untouched
+            gu, dy = gu0.clone(), dy0.clone()
+            glu_bwd_(dy, gu[:, :inter], gu[:, inter:], act, h_out=dy)
+            torch.testing.assert_close(gu[:, :inter].float(), dg_ref, rtol=rtol, atol=atol)
+            torch.testing.assert_close(gu[:, inter:].float(), du_ref, rtol=rtol, atol=atol)
+            assert torch.equal(dy, h)  # the same rounding as glu_fwd
+
+
+def test_plain_functions_reject_strided_columns():
+    from leantune.kernels.swiglu import glu_fwd
+
+    g = torch.randn(4, 6)
+    with pytest.raises(ValueError, match="contiguous columns"):
+        glu_fwd(g[:, ::2], g[:, 1::2], 0)

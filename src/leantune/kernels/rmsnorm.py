@@ -65,15 +65,16 @@ if triton is not None:
         tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _rms_norm_bwd_kernel(DY, X, W, RSTD, DX, DW_PART, n_rows, H, stride_dy, stride_x,
-                             stride_dx, offset,
+    def _rms_norm_bwd_kernel(DY, X, W, RSTD, DX, DW_PART, RES, n_rows, H, stride_dy, stride_x,
+                             stride_dx, stride_res, offset,
                              BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
                              HAS_OFFSET: tl.constexpr, COMPUTE_DX: tl.constexpr,
-                             COMPUTE_DW: tl.constexpr):
+                             COMPUTE_DW: tl.constexpr, HAS_RES: tl.constexpr):
         """Grid-stride loop over blocks of BLOCK_R rows.
 
-        dx = rstd * (g - xhat * mean(g * xhat)),  g = dy * (offset + w),  xhat = x * rstd
+        dx = rstd * (g - xhat * mean(g * xhat)) [+ res],  g = dy * (offset + w),  xhat = x * rstd
         dw = sum over rows of dy * xhat   (xhat rounded to x.dtype first when offset == 0)
+        res: the gradient arriving through a residual connection, added before rounding.
         """
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
@@ -102,6 +103,9 @@ if triton is not None:
                 g = dy * w[None, :]
                 c = tl.sum(g * xhat, axis=1) / H
                 dx = (g - xhat * c[:, None]) * rstd[:, None]
+                if HAS_RES:
+                    dx += tl.load(RES + rows[:, None] * stride_res + cols[None, :], mask=mask,
+                                  other=0.0).to(tl.float32)
                 tl.store(DX + rows[:, None] * stride_dx + cols[None, :],
                          dx.to(DX.dtype.element_ty), mask=mask)
         if COMPUTE_DW:
@@ -167,10 +171,10 @@ class _RMSNormFunction(torch.autograd.Function):
         dw_part = (torch.empty((grid, H), dtype=torch.float32, device=x2.device)
                    if need_dw else rstd)  # placeholder pointer when unused
         _rms_norm_bwd_kernel[(grid,)](
-            dy2, x2, w, rstd, dx if need_dx else x2, dw_part, n, H,
-            dy2.stride(0), x2.stride(0), dx.stride(0) if need_dx else 0, ctx.offset,
+            dy2, x2, w, rstd, dx if need_dx else x2, dw_part, x2, n, H,
+            dy2.stride(0), x2.stride(0), dx.stride(0) if need_dx else 0, 0, ctx.offset,
             BLOCK_R=block_r, BLOCK_H=block_h, HAS_OFFSET=bool(ctx.offset),
-            COMPUTE_DX=need_dx, COMPUTE_DW=need_dw, num_warps=warps)
+            COMPUTE_DX=need_dx, COMPUTE_DW=need_dw, HAS_RES=False, num_warps=warps)
         if need_dw:
             dw = dw_part.sum(0).to(w.dtype)
         return (dx.view(ctx.x_shape) if need_dx else None), dw, None, None
@@ -192,12 +196,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
 # ------------------------------------------------------------------------------------------------
 # Plain functions (no autograd), for the hand-written decoder-layer backward (model/fused_layer.py)
 # ------------------------------------------------------------------------------------------------
-def rms_norm_fwd(x2: torch.Tensor, weight: torch.Tensor, eps: float,
-                 offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """x2: [n, H] (rows contiguous) -> (y [n, H] in x2.dtype, rstd [n] fp32)."""
+def rms_norm_fwd(x2: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
+                 out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x2: [n, H] (rows contiguous) -> (y [n, H] in x2.dtype, rstd [n] fp32).
+
+    `out`: where y goes, e.g. the left columns of a wider buffer (rows may be strided)."""
     n, H = x2.shape
+    y = torch.empty_like(x2) if out is None else out
     if use_triton(x2):
-        y = torch.empty_like(x2)
         rstd = torch.empty(n, dtype=torch.float32, device=x2.device)
         _launch_fwd(x2, weight, y, rstd, float(eps), float(offset))
         return y, rstd
@@ -205,24 +211,33 @@ def rms_norm_fwd(x2: torch.Tensor, weight: torch.Tensor, eps: float,
     rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps)
     xn = xf * rstd[:, None]
     if offset:
-        return (xn * (weight.float() + offset)).to(x2.dtype), rstd
-    return (weight * xn.to(x2.dtype)).to(x2.dtype), rstd
+        y.copy_((xn * (weight.float() + offset)).to(x2.dtype))
+    else:
+        y.copy_((weight * xn.to(x2.dtype)).to(x2.dtype))
+    return y, rstd
 
 
 def rms_norm_bwd(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
-                 offset: float = 0.0) -> torch.Tensor:
-    """dx [n, H] of RMSNorm with a frozen weight, from dy2, x2: [n, H] and the forward's rstd."""
+                 offset: float = 0.0, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """dx [n, H] of RMSNorm with a frozen weight, from dy2, x2: [n, H] and the forward's rstd;
+    plus `residual` [n, H] (the gradient of a residual connection around the norm) if given,
+    added in fp32 before the one rounding."""
     n, H = x2.shape
     if use_triton(x2):
         dx = torch.empty_like(x2)
         if n:
             block_r, block_h, warps = _tile(H)
+            res = x2 if residual is None else residual
             _rms_norm_bwd_kernel[(triton.cdiv(n, block_r),)](
-                dy2, x2, weight, rstd, dx, rstd, n, H, dy2.stride(0), x2.stride(0), dx.stride(0),
-                float(offset), BLOCK_R=block_r, BLOCK_H=block_h, HAS_OFFSET=bool(offset),
-                COMPUTE_DX=True, COMPUTE_DW=False, num_warps=warps)
+                dy2, x2, weight, rstd, dx, rstd, res, n, H, dy2.stride(0), x2.stride(0),
+                dx.stride(0), res.stride(0), float(offset), BLOCK_R=block_r, BLOCK_H=block_h,
+                HAS_OFFSET=bool(offset), COMPUTE_DX=True, COMPUTE_DW=False,
+                HAS_RES=residual is not None, num_warps=warps)
         return dx
     xhat = x2.float() * rstd[:, None]
     g = dy2.float() * (weight.float() + offset)
     c = (g * xhat).mean(-1, keepdim=True)
-    return ((g - xhat * c) * rstd[:, None]).to(x2.dtype)
+    dx = (g - xhat * c) * rstd[:, None]
+    if residual is not None:
+        dx = dx + residual.float()
+    return dx.to(x2.dtype)

@@ -90,6 +90,36 @@ if triton is not None:
             tl.store(DU + offs, (dy * a).to(DU.dtype.element_ty), mask=mask)
 
 
+    @triton.jit
+    def _glu_fwd_rows_kernel(G, U, OUT, cols, stride_g, stride_u, stride_o, ACT: tl.constexpr,
+                             BLOCK: tl.constexpr):
+        """One row block of out = act(g) * u over [rows, cols] with any row strides."""
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < cols
+        g = tl.load(G + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(U + row * stride_u + offs, mask=mask, other=0.0).to(tl.float32)
+        a, _ = _act_and_grad(g, ACT)
+        tl.store(OUT + row * stride_o + offs, (a * u).to(OUT.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _glu_bwd_rows_kernel(DY, G, U, H, cols, stride_dy, stride_g, stride_u, stride_h,
+                             ACT: tl.constexpr, BLOCK: tl.constexpr, WRITE_H: tl.constexpr):
+        """G <- d gate, U <- d up in place; with WRITE_H also H <- act(g) * u (H may alias DY:
+        each element is read before it is written)."""
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < cols
+        dy = tl.load(DY + row * stride_dy + offs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(G + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(U + row * stride_u + offs, mask=mask, other=0.0).to(tl.float32)
+        a, da = _act_and_grad(g, ACT)
+        tl.store(G + row * stride_g + offs, (dy * u * da).to(G.dtype.element_ty), mask=mask)
+        tl.store(U + row * stride_u + offs, (dy * a).to(U.dtype.element_ty), mask=mask)
+        if WRITE_H:
+            tl.store(H + row * stride_h + offs, (a * u).to(H.dtype.element_ty), mask=mask)
+
+
 def _flat(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """(contiguous tensor, whether it is a copy made here)."""
     return (t, False) if t.is_contiguous() else (t.contiguous(), True)
@@ -171,32 +201,55 @@ def _act_reference(g: torch.Tensor, act: int) -> torch.Tensor:
     return F.gelu(g, approximate="tanh" if act == _GELU_TANH else "none")
 
 
-def glu_fwd(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
-    """act(gate) * up for contiguous gate/up [..., I]; act: a value of ACTS."""
+def _check_rows(*ts: torch.Tensor) -> None:
+    for t in ts:
+        if t.dim() != 2 or (t.shape[1] > 1 and t.stride(1) != 1):
+            raise ValueError(f"expected [rows, cols] with contiguous columns, got shape "
+                             f"{tuple(t.shape)} strides {t.stride()}")
+
+
+def glu_fwd(gate: torch.Tensor, up: torch.Tensor, act: int,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """act(gate) * up for gate/up [n, I] -> out [n, I]; act: a value of ACTS.
+
+    Rows may be strided (e.g. gate and up as the two column halves of one GEMM output, `out` the
+    left columns of a wider buffer); columns must be contiguous."""
+    out = torch.empty_like(gate, memory_format=torch.contiguous_format) if out is None else out
+    _check_rows(gate, up, out)
     if use_triton(gate):
-        out = torch.empty_like(gate)
-        n = gate.numel()
-        if n:
-            _glu_fwd_kernel[(triton.cdiv(n, _BLOCK),)](gate, up, out, n, ACT=act, BLOCK=_BLOCK,
-                                                       num_warps=_NUM_WARPS)
+        n, cols = gate.shape
+        if n and cols:
+            _glu_fwd_rows_kernel[(n, triton.cdiv(cols, _BLOCK))](
+                gate, up, out, cols, gate.stride(0), up.stride(0), out.stride(0), ACT=act,
+                BLOCK=_BLOCK, num_warps=_NUM_WARPS)
         return out
-    return (_act_reference(gate.float(), act) * up.float()).to(gate.dtype)
+    out.copy_(_act_reference(gate.float(), act) * up.float())
+    return out
 
 
-def glu_bwd_(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int) -> None:
-    """Backward of glu_fwd IN PLACE: gate <- d gate, up <- d up (contiguous, same shape)."""
+def glu_bwd_(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int,
+             h_out: torch.Tensor | None = None) -> None:
+    """Backward of glu_fwd IN PLACE: gate <- d gate, up <- d up ([n, I], rows may be strided).
+
+    With `h_out` also writes the forward value act(gate) * up there (bit-identical to glu_fwd),
+    so a backward that needs it does not run glu_fwd first; h_out may be dy itself."""
+    _check_rows(dy, gate, up, *([h_out] if h_out is not None else []))
     if use_triton(gate):
-        n = gate.numel()
-        if n:
-            _glu_bwd_kernel[(triton.cdiv(n, _BLOCK),)](
-                dy, gate, up, gate, up, n, ACT=act, BLOCK=_BLOCK, NEED_DG=True, NEED_DU=True,
-                num_warps=_NUM_WARPS)
+        n, cols = gate.shape
+        if n and cols:
+            h = gate if h_out is None else h_out
+            _glu_bwd_rows_kernel[(n, triton.cdiv(cols, _BLOCK))](
+                dy, gate, up, h, cols, dy.stride(0), gate.stride(0), up.stride(0), h.stride(0),
+                ACT=act, BLOCK=_BLOCK, WRITE_H=h_out is not None, num_warps=_NUM_WARPS)
         return
     with torch.enable_grad():
         g = gate.detach().float().requires_grad_()
         a = _act_reference(g, act)
         (da,) = torch.autograd.grad(a, g, torch.ones_like(a))
-    dyf = dy.float()
-    du = dyf * a.detach()
-    gate.copy_(dyf * up.float() * da)
-    up.copy_(du)
+    a = a.detach()
+    dyf, uf = dy.float(), up.float()
+    h = (a * uf).to(gate.dtype) if h_out is not None else None
+    gate.copy_(dyf * uf * da)
+    up.copy_(dyf * a)
+    if h is not None:
+        h_out.copy_(h)

@@ -59,7 +59,8 @@ def test_fused_layer_matches_autograd(family, keep):
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_mixed_plans_offload_and_mlp_chunks(backend, monkeypatch):
-    # ~9 rows per MLP chunk: the 38-token batch runs in 5 chunks (8, 8, 8, 8, 6 rows)
+    # ~9 rows per backward MLP chunk: the 38-token batch runs in 5 chunks (8, 8, 8, 8, 6 rows),
+    # in forward in 3 (16, 16, 6; forward chunks are MLP_FWD_CHUNK_FACTOR = 2 times larger)
     monkeypatch.setattr(fused_layer, "MLP_CHUNK_BYTES", 4 * 72 * 9)  # fp32: 4 bytes a value
     model = model_for(CONFIGS["qwen2"])
     with kernels.backend(backend):
@@ -144,3 +145,41 @@ def test_pinned_pool_reuses_best_fit_and_stays_bounded(monkeypatch):
     assert made[-1] == 300
     store.release(d)
     assert store.pooled_bytes() + store._in_use <= store._peak_use
+
+
+@pytest.mark.parametrize("family,align", [("llama", 64), ("qwen2", 64), ("llama", 1)])
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_packed_projections_match_separate_gemms(family, align, backend, monkeypatch):
+    """Packed q/k/v, gate/up and down weights (one GEMM each, LoRA folded in through extra
+    columns) give the same loss and gradients as separate GEMMs, hold the base weights without
+    copying them, and are packed again when a weight is replaced."""
+    monkeypatch.setattr(fused_layer, "PACK_ALIGN", align)
+    model = model_for(CONFIGS[family])
+    model.set_layer_plans([LayerPlan(0), LayerPlan(1, offload=True), LayerPlan(2)])
+    batch = packed_batch()
+    layer = model.model.layers[1]
+    gate, up, q = layer.mlp.gate_proj, layer.mlp.up_proj, layer.self_attn.q_proj
+    w_up = up.weight.detach().clone()
+    with kernels.backend(backend):
+        monkeypatch.setattr(fused_layer, "PACK_PROJECTIONS", False)
+        ref_loss, ref_grads = loss_and_grads(model, batch)
+        assert getattr(gate, "_lt_packed", None) is None
+        monkeypatch.setattr(fused_layer, "PACK_PROJECTIONS", True)
+        loss, grads = loss_and_grads(model, batch)
+    torch.testing.assert_close(loss, ref_loss)
+    torch.testing.assert_close(grads, ref_grads, rtol=1e-5, atol=1e-6)
+
+    buf = gate._lt_packed  # [2 I, H + 2 r + pad]: gate rows, then up rows; s * B after H
+    inter, H, r = gate.out_features, gate.in_features, gate.r
+    assert buf.shape == (2 * inter, H + 2 * r if align == 1 else 64)  # padded to PACK_ALIGN
+    assert not buf[:, H + 2 * r:].any()
+    assert up.weight.data_ptr() == buf[inter].data_ptr() and torch.equal(up.weight, w_up)
+    torch.testing.assert_close(buf[inter:, H + r:H + 2 * r], up.lora_B.weight * up.scaling)
+    assert not buf[:inter, H + r:].any() and not buf[inter:, H:H + r].any()
+    assert q.weight.data_ptr() == q._lt_packed.data_ptr()
+
+    up.weight = torch.nn.Parameter(w_up.clone(), requires_grad=False)  # e.g. reloaded
+    with kernels.backend(backend):
+        loss2, grads2 = loss_and_grads(model, batch)
+    assert gate._lt_packed is not buf and up.weight.data_ptr() == gate._lt_packed[inter].data_ptr()
+    torch.testing.assert_close(grads2, ref_grads, rtol=1e-5, atol=1e-6)

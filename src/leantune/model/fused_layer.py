@@ -10,7 +10,7 @@ x: [N, H] (N = B*T tokens), h_mid = x + attn(norm1(x)), out = h_mid + mlp(norm2(
                                                     attention, o, norm2, gate/up
     keep 1 "attention":  x, h_mid, q, k, v (rotated), attention output (+ its log-sum-exp)
                                                     backward recomputes norm1, norm2, gate/up
-                                                    (and, off the flash path, attention)
+                                                    (and, off the flash and cuDNN paths, attention)
     keep 2 "all":        keep 1 + gate and up       backward recomputes the norms and activation
 
 The down projection is never recomputed (its output is not needed in backward), nor, from keep 1
@@ -45,9 +45,13 @@ from ..kernels.swiglu import ACTS, glu_bwd_, glu_fwd
 from .activation_store import ActivationStore
 from .attention import AttentionMeta, attention_backward, attention_forward
 
-# The MLP runs in row chunks whose [rows, intermediate] tensors stay under this many bytes
-# (LEANTUNE_MLP_CHUNK_MIB overrides, for benchmarks).
-MLP_CHUNK_BYTES = int(float(os.environ.get("LEANTUNE_MLP_CHUNK_MIB", 128)) * 2**20)
+# The MLP runs in row chunks whose [rows, intermediate] tensors stay under this many bytes in
+# backward, and MLP_FWD_CHUNK_FACTOR times that in forward, which holds less beside the chunk (no
+# gradients, no prefetched layer). Fewer, taller GEMMs run faster: at Llama-3.1-8B over 8192
+# tokens (H200) 256 MiB (one chunk) gave 0.6% more tokens/s than 128 MiB for 0.3 GiB more peak.
+# LEANTUNE_MLP_CHUNK_MIB / LEANTUNE_MLP_FWD_CHUNK_FACTOR override.
+MLP_CHUNK_BYTES = int(float(os.environ.get("LEANTUNE_MLP_CHUNK_MIB", 256)) * 2**20)
+MLP_FWD_CHUNK_FACTOR = float(os.environ.get("LEANTUNE_MLP_FWD_CHUNK_FACTOR", 2))
 
 
 @dataclass(frozen=True)
@@ -109,15 +113,93 @@ def lora_params(layer) -> list[torch.nn.Parameter]:
     return [p for p in out if p.requires_grad]
 
 
+# Projections that share an input (q/k/v; gate/up) and the down projection run as one GEMM each
+# over a packed weight: the modules' base weights become row blocks of one buffer [sum out,
+# in + sum r], whose extra columns hold s * B (block-diagonal), and the input buffer [n, in + sum r]
+# carries x A_cat^T beside x, so the GEMM adds the LoRA term too:
+#     [x | x A_cat^T] @ [W_cat | s B_blockdiag]^T = x W_cat^T + s (x A^T) B^T per projection.
+# One wide GEMM runs faster than several narrow ones, and no pass over the output adds the LoRA
+# term. No extra memory: the modules' `weight` Parameters are views into the buffer.
+# LEANTUNE_PACK_PROJECTIONS=0 (or set_pack_projections(False)) keeps separate GEMMs.
+PACK_PROJECTIONS = os.environ.get("LEANTUNE_PACK_PROJECTIONS", "1") != "0"
+# The packed width in + R is padded with zero columns to a multiple of this many (64 bf16 values
+# = 128 bytes: whole GEMM K tiles, aligned rows); LEANTUNE_PACK_ALIGN=1 pads nothing.
+PACK_ALIGN = int(os.environ.get("LEANTUNE_PACK_ALIGN", 64))
+
+
+def set_pack_projections(enabled: bool) -> None:
+    global PACK_PROJECTIONS
+    PACK_PROJECTIONS = enabled
+
+
+def _lora_rank(m) -> int:
+    return m.r if m.has_lora else 0
+
+
+def packed_weight(mods) -> torch.Tensor | None:
+    """The packed weight of projections reading one input (made, or remade after the weights or
+    ranks changed, on first use), or None where packing is off or impossible (a quantised or
+    trainable base, mixed input sizes or dtypes)."""
+    from ..lora.layer import LoRALinear
+
+    if not PACK_PROJECTIONS or any(type(m).base_weight is not LoRALinear.base_weight
+                                   or m.weight.requires_grad for m in mods):
+        return None
+    w0 = mods[0].weight
+    if any(m.in_features != mods[0].in_features or m.weight.dtype != w0.dtype
+           or m.weight.device != w0.device for m in mods):
+        return None
+    in_f = mods[0].in_features
+    width = in_f + sum(_lora_rank(m) for m in mods)
+    if width > in_f:
+        width += -width % PACK_ALIGN
+    shape = (sum(m.out_features for m in mods), width)
+    buf = getattr(mods[0], "_lt_packed", None)
+    if buf is not None and tuple(buf.shape) == shape and buf.dtype == w0.dtype:
+        row, ok = 0, True
+        for m in mods:
+            ok = ok and (m.weight.data_ptr() == buf[row].data_ptr()
+                         and m.weight.stride() == (shape[1], 1))
+            row += m.out_features
+        if ok:
+            return buf
+    buf = torch.zeros(shape, dtype=w0.dtype, device=w0.device)
+    row = 0
+    with torch.no_grad():
+        for m in mods:
+            view = buf[row:row + m.out_features, :in_f]
+            view.copy_(m.weight)
+            m.weight.data = view  # the old storage is freed: no extra memory
+            row += m.out_features
+    mods[0]._lt_packed = buf
+    return buf
+
+
+def pack_layer(layer) -> None:
+    """Pack a layer's q/k/v, gate/up and down weights now (as the first fused forward would),
+    so a training step never allocates them."""
+    a, m = layer.self_attn, layer.mlp
+    for mods in ([a.q_proj, a.k_proj, a.v_proj], [m.gate_proj, m.up_proj], [m.down_proj]):
+        packed_weight(mods)
+
+
 class _Group:
     """Frozen projections (LoRALinear) reading one input, with their LoRA weights cast to the
-    compute dtype once per step. The LoRA A's are concatenated: xa = x @ A_cat^T is [N, sum r]."""
+    compute dtype once per step. The LoRA A's are concatenated: xa = x @ A_cat^T is [n, R],
+    R = sum r. Packed (see PACK_PROJECTIONS) the group is one GEMM over `packed`; else one GEMM
+    per projection plus a rank-r product each. Outputs are one tensor [n, sum out]."""
 
-    def __init__(self, mods, dtype: torch.dtype):
+    def __init__(self, mods, dtype: torch.dtype, pack: bool):
         self.mods = mods
-        self.w = [m.base_weight() for m in mods]
+        self.in_f = mods[0].in_features
+        self.outs = [m.out_features for m in mods]
+        self.packed = packed_weight(mods) if pack else None
+        if self.packed is not None and self.packed.dtype != dtype:
+            self.packed = None
+        self.w = [m.base_weight() for m in mods]  # views into `packed` when packed
         self.bias = [None if m.bias is None else m.bias.to(dtype) for m in mods]
         lora = [m for m in mods if m.has_lora]
+        self.R = sum(m.r for m in lora)
         self.a = torch.cat([m.lora_A.weight for m in lora]).to(dtype) if lora else None
         self.b, self.cols = [], []
         c = 0
@@ -129,54 +211,129 @@ class _Group:
             else:
                 self.b.append(None)
                 self.cols.append(None)
+        if self.packed is not None:
+            row = 0
+            with torch.no_grad():
+                for m, cols in zip(mods, self.cols):
+                    if cols is not None:  # s * B in this projection's own LoRA columns
+                        self.packed[row:row + m.out_features,
+                                    self.in_f + cols.start:self.in_f + cols.stop].copy_(
+                            m.lora_B.weight * m.scaling)
+                    row += m.out_features
+        self.bias_cat = None
+        if any(b is not None for b in self.bias):
+            self.bias_cat = torch.cat([torch.zeros(o, dtype=dtype, device=self.w[0].device)
+                                       if b is None else b for b, o in zip(self.bias, self.outs)])
 
-    def forward(self, x: torch.Tensor, resid: torch.Tensor | None = None,
-                out: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """x: [n, in] -> [y_i: [n, out_i]]; with `resid` (one projection): resid + y, in `out`."""
+    def split(self, y: torch.Tensor | list) -> list[torch.Tensor]:
+        """[n, sum out] -> per-projection column views (a list passes through)."""
+        if isinstance(y, (list, tuple)):
+            return list(y)
+        out, c = [], 0
+        for o in self.outs:
+            out.append(y[:, c:c + o])
+            c += o
+        return out
+
+    # --- forward -----------------------------------------------------------------------------
+    def new_input(self, n: int, like: torch.Tensor) -> torch.Tensor:
+        """A buffer for this group's input, [n, in] (+ R columns for x A^T and zero padding
+        when packed): the caller writes x into [:, :in], then calls fill_lora."""
+        width = self.in_f if self.packed is None else self.packed.shape[1]
+        X = torch.empty(n, width, dtype=like.dtype, device=like.device)
+        if width > self.in_f + self.R:
+            X[:, self.in_f + self.R:].zero_()  # times the weight's zero columns: no NaN from
+        return X                                # uninitialised memory
+
+    def fill_lora(self, X: torch.Tensor) -> None:
+        """X[:, in:] = X[:, :in] @ A_cat^T (packed groups with LoRA; nothing otherwise)."""
+        if self.packed is not None and self.R:
+            torch.mm(X[:, :self.in_f], self.a.t(), out=X[:, self.in_f:self.in_f + self.R])
+
+    def project(self, X: torch.Tensor, resid: torch.Tensor | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """X: new_input's buffer after fill_lora (or [n, in] if not packed) -> y [n, sum out]
+        = x W_cat^T + bias + LoRA; with `resid` (one projection): resid + y, into `out`."""
+        if self.packed is not None:
+            if X.shape[1] != self.packed.shape[1]:
+                raise ValueError("packed group: pass new_input's buffer (after fill_lora)")
+            y = (torch.addmm(resid, X, self.packed.t(), out=out) if resid is not None
+                 else torch.mm(X, self.packed.t(), out=out))
+            if self.bias_cat is not None:
+                y.add_(self.bias_cat)
+            return y
+        x = X[:, :self.in_f]
         xa = x @ self.a.t() if self.a is not None else None
-        ys = []
-        for m, w, bias, b, cols in zip(self.mods, self.w, self.bias, self.b, self.cols):
+        if len(self.mods) == 1:
+            w = self.w[0]
+            y = (torch.addmm(resid, x, w.t(), out=out) if resid is not None
+                 else torch.mm(x, w.t(), out=out))
+            ys = [y]
+        else:
             if resid is not None:
-                y = torch.addmm(resid, x, w.t(), out=out)
-                if bias is not None:
-                    y.add_(bias)
-            elif bias is not None:
-                y = torch.addmm(bias, x, w.t())
-            else:
-                y = x @ w.t()
+                raise ValueError("resid needs a group of one projection")
+            y = out if out is not None else torch.empty(x.shape[0], sum(self.outs),
+                                                        dtype=x.dtype, device=x.device)
+            ys = self.split(y)
+            for yi, w in zip(ys, self.w):
+                torch.mm(x, w.t(), out=yi)
+        for yi, m, bias, b, cols in zip(ys, self.mods, self.bias, self.b, self.cols):
+            if bias is not None:
+                yi.add_(bias)
             if b is not None:
-                y.addmm_(xa[:, cols], b.t(), alpha=m.scaling)
-            ys.append(y)
-        return ys
+                yi.addmm_(xa[:, cols], b.t(), alpha=m.scaling)
+        return y
 
-    def backward(self, x: torch.Tensor, dys: list[torch.Tensor], grads: dict,
-                 out: torch.Tensor | None = None, need_dx: bool = True) -> torch.Tensor | None:
-        """Input gradient sum_i dy_i W_i + ga A_cat (into `out` if given; None without
-        `need_dx`); LoRA grads into `grads` (param -> fp32 tensor, accumulated)."""
+    # --- backward ----------------------------------------------------------------------------
+    def input_grad(self, dys, out: torch.Tensor | None = None, need_dx: bool = True):
+        """dys: [n, sum out] or per-projection list -> (dx [n, in] = sum_i dy_i W_i + ga A_cat
+        (into `out`; None without need_dx), ga [n, R] = s dy_i B_i side by side, or None)."""
+        parts = self.split(dys)
+        ga = None
+        if self.a is not None:
+            gas = []
+            for m, dy, b in zip(self.mods, parts, self.b):
+                if b is not None:
+                    g = dy @ b
+                    if m.scaling != 1:
+                        g.mul_(m.scaling)
+                    gas.append(g)
+            ga = gas[0] if len(gas) == 1 else torch.cat(gas, 1)
         dx = None
         if need_dx:
-            dx = torch.mm(dys[0], self.w[0], out=out)
-            for dy, w in zip(dys[1:], self.w[1:]):
-                dx.addmm_(dy, w)
+            if self.packed is not None and not isinstance(dys, (list, tuple)):
+                dx = torch.mm(dys, self.packed[:, :self.in_f], out=out)  # one GEMM, K = sum out
+            else:
+                dx = torch.mm(parts[0], self.w[0], out=out)
+                for dy, w in zip(parts[1:], self.w[1:]):
+                    dx.addmm_(dy, w)
+            if ga is not None:
+                dx.addmm_(ga, self.a)
+        return dx, ga
+
+    def lora_grads(self, x: torch.Tensor, dys, ga: torch.Tensor | None, grads: dict,
+                   xa: torch.Tensor | None = None) -> None:
+        """LoRA grads into `grads` (param -> fp32, accumulated): dB_i = s dy_i^T xa_i, dA = ga^T x.
+        x: [n, in]; xa = x A_cat^T if the caller has it."""
         if self.a is None:
-            return dx
-        xa = x @ self.a.t()
-        gas = []
-        for m, dy, b, cols in zip(self.mods, dys, self.b, self.cols):
-            if b is None:
-                continue
-            ga = dy @ b
-            if m.scaling != 1:
-                ga.mul_(m.scaling)
-            gas.append(ga)
-            _accumulate(grads, m.lora_B.weight, dy.t() @ xa[:, cols], m.scaling)
-        ga = gas[0] if len(gas) == 1 else torch.cat(gas, 1)
-        ga_x = ga.t() @ x  # [sum r, in]
+            return
+        if xa is None:
+            xa = x @ self.a.t()
+        for m, dy, cols in zip(self.mods, self.split(dys), self.cols):
+            if cols is not None:
+                _accumulate(grads, m.lora_B.weight, dy.t() @ xa[:, cols], m.scaling)
+        ga_x = ga.t() @ x  # [R, in]
         for m, cols in zip(self.mods, self.cols):
             if cols is not None:
                 _accumulate(grads, m.lora_A.weight, ga_x[cols], 1.0)
-        if dx is not None:
-            dx.addmm_(ga, self.a)
+
+    def backward(self, X: torch.Tensor, dys, grads: dict, out: torch.Tensor | None = None,
+                 need_dx: bool = True) -> torch.Tensor | None:
+        """Input gradient (into `out`; None without need_dx) and LoRA grads for input X (a
+        new_input buffer after fill_lora, or [n, in])."""
+        dx, ga = self.input_grad(dys, out, need_dx)
+        xa = X[:, self.in_f:self.in_f + self.R] if self.R and X.shape[1] > self.in_f else None
+        self.lora_grads(X[:, :self.in_f], dys, ga, grads, xa)
         return dx
 
 
@@ -213,33 +370,47 @@ class LayerRun:
     # --- pieces ------------------------------------------------------------------------------
     def _groups(self, dtype):
         a, m = self.layer.self_attn, self.layer.mlp
-        return (_Group([a.q_proj, a.k_proj, a.v_proj], dtype), _Group([a.o_proj], dtype),
-                _Group([m.gate_proj, m.up_proj], dtype), _Group([m.down_proj], dtype))
+        # o stays unpacked: its input comes from attention, which writes its own buffer
+        return (_Group([a.q_proj, a.k_proj, a.v_proj], dtype, pack=True),
+                _Group([a.o_proj], dtype, pack=False),
+                _Group([m.gate_proj, m.up_proj], dtype, pack=True),
+                _Group([m.down_proj], dtype, pack=True))
 
-    def _norm(self, which, x2):
+    def _normed(self, which: str, x2: torch.Tensor, group: _Group):
+        """norm(x2) in a new input buffer of `group`, x A^T filled in -> (X, rstd)."""
         n = getattr(self.layer, which)
-        return rms_norm_fwd(x2, n.weight, n.eps, n.offset)
+        X = group.new_input(x2.shape[0], x2)
+        _, rstd = rms_norm_fwd(x2, n.weight, n.eps, n.offset, out=X[:, :x2.shape[1]])
+        group.fill_lora(X)
+        return X, rstd
 
-    def _attention(self, x2, shape, for_backward: bool = False):
-        """norm1 -> q, k, v -> RoPE -> attention; returns xn1, rstd1, q4, k4, v4, out4, aux."""
+    def _split_qkv(self, qkv: torch.Tensor, shape):
+        """[N, (Hq + 2 Hk) D] -> q [B, T, Hq, D], k, v [B, T, Hk, D] (views)."""
         B, T, _ = shape
         at = self.layer.self_attn
-        xn1, rstd1 = self._norm("input_layernorm", x2)
-        q, k, v = self.qkv.forward(xn1)
-        q4 = q.view(B, T, at.num_heads, at.head_dim)
-        k4 = k.view(B, T, at.num_kv_heads, at.head_dim)
-        v4 = v.view(B, T, at.num_kv_heads, at.head_dim)
+        q, k, v = self.qkv.split(qkv)
+        return (q.view(B, T, at.num_heads, at.head_dim),
+                k.view(B, T, at.num_kv_heads, at.head_dim),
+                v.view(B, T, at.num_kv_heads, at.head_dim))
+
+    def _attention(self, x2, shape, for_backward: bool = False):
+        """norm1 -> q, k, v -> RoPE -> attention; returns X1, rstd1, qkv, out4, aux."""
+        at = self.layer.self_attn
+        X1, rstd1 = self._normed("input_layernorm", x2, self.qkv)
+        qkv = self.qkv.project(X1)
+        q4, k4, v4 = self._split_qkv(qkv, shape)
         rope_(q4, k4, self.cos, self.sin)
         out4, aux = attention_forward(q4, k4, v4, self.meta, at.window, at.scale,
                                       for_backward)
-        return xn1, rstd1, q4, k4, v4, out4, aux
+        return X1, rstd1, qkv, out4, aux
 
-    def _chunks(self, n: int, keep_gu: bool, itemsize: int = 2):
+    def _chunks(self, n: int, keep_gu: bool, itemsize: int = 2, forward: bool = False):
         """Row slices for the MLP: equal parts, multiples of 256 rows (whole GEMM tiles)."""
         if n == 0:
             return [slice(0, 0)]
         inter = self.layer.mlp.up_proj.out_features
-        parts = 1 if keep_gu else max(1, -(-n * itemsize * inter // MLP_CHUNK_BYTES))
+        limit = MLP_CHUNK_BYTES * (MLP_FWD_CHUNK_FACTOR if forward else 1)
+        parts = 1 if keep_gu else max(1, int(-(-n * itemsize * inter // limit)))
         rows = -(-n // parts)
         if parts > 1 and rows > 256:
             rows = -(-rows // 256) * 256
@@ -251,22 +422,26 @@ class LayerRun:
         x2 = x.reshape(B * T, H)
         self.qkv, self.o, self.gu, self.down = self._groups(x.dtype)
         self.act = _act_code(self.layer.mlp.act)
-        _, _, q4, k4, v4, out4, aux = self._attention(x2, x.shape)
+        inter = self.layer.mlp.up_proj.out_features
+        _, _, qkv, out4, aux = self._attention(x2, x.shape)
         attn2 = out4.reshape(B * T, -1)  # [N, Hq * D] (a copy only if attention returned a view)
-        h_mid = self.o.forward(attn2, resid=x2)[0]
+        h_mid = self.o.project(attn2, resid=x2)
         keep = self.plan.keep
-        xn2, _ = self._norm("post_attention_layernorm", h_mid)
+        X2, _ = self._normed("post_attention_layernorm", h_mid, self.gu)
         out = torch.empty_like(h_mid)
-        for rows in self._chunks(B * T, keep >= 2, x.element_size()):
-            g, u = self.gu.forward(xn2[rows])
-            a = glu_fwd(g, u, self.act)
-            self.down.forward(a, resid=h_mid[rows], out=out[rows])
+        for rows in self._chunks(B * T, keep >= 2, x.element_size(), forward=True):
+            gu = self.gu.project(X2[rows])  # [n, 2 I]: gate | up
+            Hb = self.down.new_input(gu.shape[0], gu)
+            glu_fwd(gu[:, :inter], gu[:, inter:], self.act, out=Hb[:, :inter])
+            self.down.fill_lora(Hb)
+            self.down.project(Hb, resid=h_mid[rows], out=out[rows])
+            del Hb
         kept = {"x": x2}
         if keep >= 1:
-            kept.update(h_mid=h_mid, q=q4, k=k4, v=v4, attn=attn2)
-            self.aux = aux  # flash log-sum-exp (fp32 [Hq, N]) and rng state: small, stays here
+            kept.update(h_mid=h_mid, qkv=qkv, attn=attn2)
+            self.aux = aux  # attention log-sum-exp (fp32, [Hq, N]) and rng state: small, stays
         if keep >= 2:
-            kept.update(g=g, u=u)
+            kept.update(gu=gu)
         if not self.in_graph:
             self.qkv = self.o = self.gu = self.down = self.aux = None
             return out.view(B, T, H)
@@ -286,49 +461,50 @@ class LayerRun:
         dout = dout.reshape(N, H)
         x2 = kept["x"]
         keep = self.plan.keep
+        inter = self.layer.mlp.up_proj.out_features
         if keep == 0:
-            xn1, rstd1, q4, k4, v4, out4, aux = self._attention(x2, self.shape, True)
-            h_mid = self.o.forward(out4.reshape(N, -1), resid=x2)[0]
+            X1, rstd1, qkv, out4, aux = self._attention(x2, self.shape, True)
+            h_mid = self.o.project(out4.reshape(N, -1), resid=x2)
         else:
-            xn1, rstd1 = self._norm("input_layernorm", x2)
-            q4, k4, v4, h_mid = (kept[n] for n in ("q", "k", "v", "h_mid"))
-            out4 = kept["attn"].view(q4.shape)
+            X1, rstd1 = self._normed("input_layernorm", x2, self.qkv)
+            qkv, h_mid = kept["qkv"], kept["h_mid"]
             aux = self.aux
+        q4, k4, v4 = self._split_qkv(qkv, self.shape)
+        if keep != 0:
+            out4 = kept["attn"].view(q4.shape)
 
         # MLP: out = h_mid + down(act(gate(xn2)) * up(xn2))
-        xn2, rstd2 = self._norm("post_attention_layernorm", h_mid)
-        dxn2 = torch.empty_like(xn2)
+        X2, rstd2 = self._normed("post_attention_layernorm", h_mid, self.gu)
+        dxn2 = torch.empty_like(h_mid)
         for rows in self._chunks(N, keep >= 2, dout.element_size()):
-            if keep >= 2:
-                g, u = kept["g"], kept["u"]
-            else:
-                g, u = self.gu.forward(xn2[rows])
-            a = glu_fwd(g, u, self.act)
-            da = self.down.backward(a, [dout[rows]], grads)
-            del a
-            glu_bwd_(da, g, u, self.act)  # g, u <- d gate, d up
-            del da
-            self.gu.backward(xn2[rows], [g, u], grads, out=dxn2[rows])
-            del g, u
+            gu = kept["gu"] if keep >= 2 else self.gu.project(X2[rows])
+            da, ga = self.down.input_grad(dout[rows])
+            # gate, up <- d gate, d up in place; da <- act(gate) * up, the down projection's input
+            glu_bwd_(da, gu[:, :inter], gu[:, inter:], self.act, h_out=da)
+            self.down.lora_grads(da, dout[rows], ga, grads)
+            del da, ga
+            self.gu.backward(X2[rows], gu, grads, out=dxn2[rows])
+            del gu
         post = self.layer.post_attention_layernorm
-        dh_mid = rms_norm_bwd(dxn2, h_mid, post.weight, rstd2, post.offset).add_(dout)
-        del dxn2, xn2, h_mid
+        dh_mid = rms_norm_bwd(dxn2, h_mid, post.weight, rstd2, post.offset, residual=dout)
+        del dxn2, X2, h_mid
 
         # attention: h_mid = x + o(attn(rope(q, k), v))
         at = self.layer.self_attn
         dattn = self.o.backward(out4.reshape(N, -1), [dh_mid], grads)
         dq, dk, dv = attention_backward(dattn.view(out4.shape), q4, k4, v4, out4, aux,
                                         self.meta, at.window, at.scale)
-        del dattn, q4, k4, v4, out4, aux
+        del dattn, qkv, q4, k4, v4, out4, aux
         dq, dk, dv = dq.contiguous(), dk.contiguous(), dv.contiguous()
         rope_(dq, dk, self.cos, self.sin, inverse=True)
-        dxn1 = self.qkv.backward(xn1, [dq.view(N, -1), dk.view(N, -1), dv.view(N, -1)], grads,
+        dxn1 = self.qkv.backward(X1, [dq.view(N, -1), dk.view(N, -1), dv.view(N, -1)], grads,
                                  need_dx=need_dx)
         del dq, dk, dv
         dx = None
         if need_dx:  # not for the first layer: its input is the (frozen) embedding
             norm = self.layer.input_layernorm
-            dx = rms_norm_bwd(dxn1, x2, norm.weight, rstd1, norm.offset).add_(dh_mid).view(B, T, H)
+            dx = rms_norm_bwd(dxn1, x2, norm.weight, rstd1, norm.offset,
+                              residual=dh_mid).view(B, T, H)
         self.store.release(self.handle)
         self.handle = self.qkv = self.o = self.gu = self.down = self.aux = None
         return dx, grads

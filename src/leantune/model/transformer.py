@@ -19,11 +19,12 @@ from torch.utils.checkpoint import checkpoint
 
 from .. import kernels
 from ..batch import IGNORE_INDEX, PackedBatch
+from ..kernels.embedding import embedding_lookup
 from ..lora.layer import LoRALinear
 from .activation_store import ActivationStore
 from .attention import AttentionMeta, attention
 from .config import ModelConfig
-from .fused_layer import LayerPlan, LayerRun, fused_unsupported
+from .fused_layer import LayerPlan, LayerRun, fused_unsupported, pack_layer
 from .rope import rope_cos_sin, rope_inv_freq
 
 
@@ -156,6 +157,26 @@ class CausalLM(nn.Module):
                 return why
         return None
 
+    def pack_projections(self) -> None:
+        """Pack the projection weights of every layer the fused path runs (fused_layer.py:
+        packed_weight) now rather than in the first step; nothing for autograd layers."""
+        for layer, plan in zip(self.model.layers, self.layer_plans):
+            if self.fused and plan is not None and fused_unsupported(layer) is None:
+                pack_layer(layer)
+
+    def offload_embedding(self) -> bool:
+        """Keep the input embedding table in pinned host memory (1 GiB of GPU memory at
+        Llama-3.1-8B size); each forward gathers its tokens' rows over the host link
+        (kernels/embedding.py). Only for a frozen CUDA table that the output layer does not
+        share. Returns whether the table moved."""
+        w = self.model.embed_tokens.weight
+        if self.lm_head is None or w.requires_grad or not w.is_cuda:
+            return False
+        host = torch.empty(w.shape, dtype=w.dtype, pin_memory=True)
+        host.copy_(w.data)
+        w.data = host
+        return True
+
     def compile_layers(self, **kwargs) -> None:
         """torch.compile each decoder layer as one region (layers share the compiled code).
         Compiled layers run as modules, so the fused layer path is switched off."""
@@ -194,7 +215,7 @@ class CausalLM(nn.Module):
         B, T = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
-        x = self.model.embed_tokens(input_ids)
+        x = embedding_lookup(input_ids, self.model.embed_tokens.weight)  # (table maybe on host)
         inv, scale = self._rope(x.device, x.dtype)
         cos, sin = rope_cos_sin(position_ids, inv, scale, x.dtype)  # once per batch
         windows = {layer.self_attn.window for layer in self.model.layers}

@@ -61,6 +61,9 @@ def _train_parser(sub) -> None:
            "to host memory for every layer")
     a("--no-fused-layers", dest="fused_layers", action="store_false", default=None,
       help="use autograd (+ torch.utils.checkpoint) instead of the hand-written layer backward")
+    a("--no-offload-embedding", dest="offload_embedding", action="store_false", default=None,
+      help="keep a frozen input embedding on the GPU (by default it stays in pinned host "
+           "memory and each step reads its tokens' rows over the host link)")
     a("--max-memory-gib", type=float, help="GPU memory the run may use (default: the GPU's)")
     a("--compile", action="store_true", default=None, help="torch.compile each decoder layer")
     a("--log-every", type=int, help="log every N steps (default 1)")

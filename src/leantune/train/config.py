@@ -44,6 +44,7 @@ class TrainConfig:
     dtype: str | None = None  # bfloat16 | float16 | float32; default by device
     checkpointing: str = "auto"  # auto | none | recompute | offload
     fused_layers: bool = True  # hand-written layer backward (off: autograd + torch checkpoint)
+    offload_embedding: bool = True  # frozen, untied input embedding in pinned host memory (CUDA)
     max_memory_gib: float | None = None  # GPU memory the run may use (auto checkpointing)
     compile: bool = False  # torch.compile each decoder layer
     progress: bool = True

@@ -123,6 +123,10 @@ class Trainer:
         from .memory import describe, gpu_budget_bytes, plan_layers, policy_plans
 
         L = m.config.num_hidden_layers
+        if cfg.offload_embedding and self.device.type == "cuda" and m.offload_embedding():
+            torch.cuda.empty_cache()
+            self.log("input embedding: in pinned host memory (--no-offload-embedding keeps it "
+                     "on the GPU)")
         m.fused = cfg.fused_layers
         if cfg.compile:
             m.compile_layers()  # (switches the fused layers off)
@@ -153,6 +157,7 @@ class Trainer:
             if policy == "none" and self.device.type != "cuda":
                 plans = [None] * L  # on the CPU plain autograd is faster (measured: the demo)
         m.set_layer_plans(plans)
+        m.pack_projections()
         self.checkpoint_policy = policy
         m.train()
         n_train = sum(p.numel() for p in self.params)

@@ -95,6 +95,28 @@ def main():
                    dtype=str(dtype), loss_rel=rel(grads["fast"][0], grads["ref"][0]),
                    grad_rel=rel(grads["fast"][1], grads["ref"][1]))
     fused_layer_checks(dev)
+    embedding_check(dev)
+
+
+def embedding_check(dev, V=128256, H=4096, tokens=8192):
+    """The input embedding read from pinned host memory (kernels/embedding.py) equals the table
+    on the GPU, bit for bit; and how long the gather over the host link takes."""
+    from leantune.kernels.embedding import embedding_lookup
+
+    table = torch.randn(V, H, dtype=torch.bfloat16)
+    host = table.pin_memory()
+    ids = torch.randint(0, V, (4, tokens // 4), device=dev)
+    on_gpu = torch.nn.functional.embedding(ids, table.to(dev))
+    out = embedding_lookup(ids, host)
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(10):
+        embedding_lookup(ids, host)
+    e.record()
+    torch.cuda.synchronize()
+    record("gpu_check", what="embedding gathered from pinned host memory vs on the GPU",
+           equal=bool(torch.equal(out, on_gpu)), ms=round(s.elapsed_time(e) / 10, 3))
 
 
 def fused_layer_checks(dev):

@@ -137,6 +137,20 @@ def cuda_time(fn, warmup: int, steps: int) -> list[float]:
     return times
 
 
+def mean_ms(fn, n: int = 20, warm: int = 3) -> float:
+    """Mean ms of fn() over n back-to-back calls (CUDA events, after `warm` calls)."""
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(n):
+        fn()
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e) / n
+
+
 def median(xs):
     s = sorted(xs)
     n = len(s)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from harness import hf_config, leantune_model, record  # noqa: E402
+from harness import hf_config, leantune_model, mean_ms, record  # noqa: E402
 from speed import random_batch  # noqa: E402
 
 from leantune.model.config import ModelConfig  # noqa: E402
@@ -162,16 +162,7 @@ def attention_backends(device, B=4, T=2048, Hq=32, Hk=8, D=128):
     res = {}
 
     def timed(fn, n=10):
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(n):
-            fn()
-        e.record()
-        torch.cuda.synchronize()
-        return round(s.elapsed_time(e) / n, 3)
+        return round(mean_ms(fn, n), 3)
 
     out, aux = attention_forward(q, k, v, meta, None, D ** -0.5)
     dout = torch.randn_like(out)

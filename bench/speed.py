@@ -40,14 +40,24 @@ def bench_ours(shape, batch, policy, warmup, steps, device):
     base = leantune_model(shape, device)
     ckpt, *extras = policy.split("+")
     ckpt, _, budget = ckpt.partition("@")
+    ckpt, _, n_off = ckpt.partition(":")  # "offload:N[k0]": the first N layers offloaded
     cfg = TrainConfig(output=tempfile.mkdtemp(), max_seq_len=batch.input_ids.shape[1],
                       batch_size=batch.input_ids.shape[0], lr=1e-4, warmup_steps=0,
                       max_steps=steps, progress=False, eval_every=0, lora_r=16, lora_alpha=16,
                       overwrite=True, device=str(device), checkpointing=ckpt,
                       max_memory_gib=float(budget) if budget else None,
-                      compile="compile" in extras, fused_layers="nofused" not in extras)
+                      compile="compile" in extras, fused_layers="nofused" not in extras,
+                      offload_embedding="noembed" not in extras)
     docs = [(batch.input_ids[0].tolist(), batch.labels[0].tolist())]
     trainer = Trainer(cfg, model=base, train_data=docs, log=lambda *a: None)
+    if n_off:  # hand-made plan: N layers offloaded, the rest keep attention state (or input)
+        from leantune.model.fused_layer import LayerPlan
+
+        L = len(trainer.model.layer_plans)
+        n = int(n_off.rstrip("k0"))
+        rest = LayerPlan(0) if n_off.endswith("k0") else LayerPlan(1)
+        trainer.model.set_layer_plans([LayerPlan(1, offload=True)] * n + [rest] * (L - n - 1)
+                                      + [LayerPlan(1)])
     gpu_batch = batch.to(device)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()

@@ -13,7 +13,7 @@ from leantune.batch import PackedBatch
 from leantune.model.config import ModelConfig
 from leantune.model.loader import build_empty
 from leantune.model.fused_layer import LayerPlan
-from leantune.train.memory import kept_bytes, plan_layers
+from leantune.train.memory import kept_bytes, offload_capacity, plan_layers
 
 CFG = dict(model_type="qwen3", vocab_size=97, hidden_size=40, intermediate_size=72,
            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
@@ -106,8 +106,12 @@ def test_layer_plans_fit_the_budget():
             assert [p.keep == 2 for p in ps] == sorted(p.keep == 2 for p in ps)
             rest = {p for p in ps if p.keep < 2}
             if host > gib * 100:
-                assert rest <= {LayerPlan(1, offload=True), LayerPlan(1)}
+                assert rest <= {LayerPlan(1, offload=True), LayerPlan(1), LayerPlan(0)}
                 assert ps[-1].offload is False
+                # offloaded layers come first, no more than the host link takes
+                n_off = sum(p.offload for p in ps)
+                assert all(p.offload for p in ps[:n_off])
+                assert n_off <= offload_capacity(cfg, tokens)
             else:
                 assert rest <= {LayerPlan(0)}
         # what the plan keeps on the GPU fits the budget
@@ -115,6 +119,23 @@ def test_layer_plans_fit_the_budget():
             on_gpu = sum(kept_bytes(cfg, tokens, p.keep) for p in ps if not p.offload)
             if b > 17:
                 assert fixed + on_gpu <= b * gib
+
+
+def test_slow_host_link_offloads_fewer_layers(monkeypatch):
+    """Layers beyond what the host link takes during a forward keep their state on the GPU (or,
+    without room, their input) instead of holding the forward up."""
+    from leantune.train import memory
+
+    cfg = ModelConfig.from_dict(dict(CFG, hidden_size=2048, intermediate_size=8192,
+                                     num_hidden_layers=16, num_attention_heads=32,
+                                     num_key_value_heads=8, head_dim=64))
+    gib = 2**30
+    fast = plan_layers(cfg, 8192, 4 * gib, 2.5 * gib, host_bytes=512 * gib)
+    monkeypatch.setattr(memory, "LINK_BYTES_PER_S", memory.LINK_BYTES_PER_S / 4)
+    slow = plan_layers(cfg, 8192, 4 * gib, 2.5 * gib, host_bytes=512 * gib)
+    n_fast, n_slow = (sum(p.offload for p in ps) for ps in (fast, slow))
+    assert n_slow == offload_capacity(cfg, 8192) < n_fast
+    assert {p for p in slow[n_slow:]} <= {LayerPlan(0), LayerPlan(1), LayerPlan(2)}
 
 
 def test_hand_built_batch_without_host_lengths_keeps_documents_apart():

@@ -25,8 +25,18 @@ import torch
 
 from ..model.fused_layer import LayerPlan
 
-HEADROOM_GIB = 0.25
-HEADROOM_HIDDEN = 8
+# Measured on an H200 (offload, 4 x 2048 tokens): the working set above weights, optimizer state
+# and kept tensors peaked at 0.86 GiB for Llama-3.1-8B and 0.48 GiB for Llama-3.2-1B; this model
+# gives 1.11 / 0.70 GiB.
+HEADROOM_GIB = 0.2
+HEADROOM_HIDDEN = 4
+# The host link bounds offloading: when layers' state takes longer to copy than the forward takes
+# to compute, the forward waits for the copies. Rates measured on an H200: pinned copies each way
+# while the other direction runs (55 GB/s alone), and the fused layer's forward over its matmul
+# FLOPs (Llama-3.1-8B offloads all 31 layers without waiting; Llama-3.2-1B ran slower offloading
+# every layer than recomputing). LEANTUNE_LINK_GBS overrides the first.
+LINK_BYTES_PER_S = float(os.environ.get("LEANTUNE_LINK_GBS", 50)) * 1e9
+FWD_FLOPS_PER_S = 650e12
 
 # The autograd path (no fused layers: q/k norm, LoRA dropout, full fine-tuning, --no-fused-layers)
 # keeps what autograd saves: ~ACT_FACTOR * (8 hidden + 3 intermediate + 3 kv) values per token
@@ -50,6 +60,23 @@ def kept_bytes(cfg, tokens: int, keep: int, itemsize: int = 2, autograd: bool = 
     return itemsize * per_token * tokens
 
 
+def layer_forward_flops(cfg, tokens: int) -> float:
+    """Matmul FLOPs of one decoder layer's forward over `tokens` tokens (projections only)."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    return 2.0 * tokens * (h * (2 * cfg.q_size + 2 * cfg.kv_size) + 3 * h * i)
+
+
+def offload_capacity(cfg, tokens: int, itemsize: int = 2) -> int:
+    """How many layers' attention state (keep 1) the host link takes during one forward without
+    holding it up: all layers' forward time over one layer's copy time, plus the copies still
+    allowed in flight when the forward ends."""
+    from ..model.activation_store import IN_FLIGHT_LAYERS
+
+    forward_s = cfg.num_hidden_layers * layer_forward_flops(cfg, tokens) / FWD_FLOPS_PER_S
+    copy_s = kept_bytes(cfg, tokens, 1, itemsize) / LINK_BYTES_PER_S
+    return min(cfg.num_hidden_layers, int(forward_s / copy_s) + IN_FLIGHT_LAYERS)
+
+
 def mlp_chunk_working_bytes(cfg, tokens: int, itemsize: int = 2) -> int:
     """GPU bytes of the fused layer's MLP row chunk in backward (gate | up and its gradient)."""
     from ..model import fused_layer
@@ -70,14 +97,12 @@ def plan_layers(cfg, tokens: int, budget_bytes: float, fixed_bytes: float,
                 host_bytes: float | None = None, itemsize: int = 2,
                 autograd: bool = False) -> list[LayerPlan]:
     """Per layer, the fastest LayerPlan whose GPU memory fits `budget_bytes` beside
-    `fixed_bytes` (weights, optimizer state). Layers keep everything on the GPU from the last
-    layer backwards while it fits (the last layers' tensors are needed first in backward); the
-    others offload their attention state, or, with too little host memory for that (or on the
-    autograd path, which cannot offload), keep only their input on the GPU.
-
-    (Keeping some layers' attention state on the GPU to spare the host link, or recomputing them
-    from their input, measured no faster at Llama-3.1-8B on an H200: the copies hide under the
-    forward.)"""
+    `fixed_bytes` (weights, optimizer state). The first layers offload their attention state, as
+    many as the host link takes (offload_capacity); the later ones keep it on the GPU, or only
+    their input where that does not fit (the last layer's is needed right after the forward);
+    then layers keep everything on the GPU from the last layer backwards while it fits (the
+    last layers' tensors are needed first in backward). Without host memory for offloading (or
+    on the autograd path, which cannot offload) layers keep their input, or everything."""
     L = cfg.num_hidden_layers
     k0, k1, k2 = (kept_bytes(cfg, tokens, k, itemsize, autograd) for k in (0, 1, 2))
     if autograd:
@@ -86,20 +111,22 @@ def plan_layers(cfg, tokens: int, budget_bytes: float, fixed_bytes: float,
     else:
         headroom = (HEADROOM_GIB * 2**30 + HEADROOM_HIDDEN * itemsize * cfg.hidden_size * tokens
                     + mlp_chunk_working_bytes(cfg, tokens, itemsize))
-    free = budget_bytes - fixed_bytes - headroom
     host = host_memory_bytes() if host_bytes is None else host_bytes
     can_offload = host >= 2 * L * k1  # leave the host at least half its memory
+    plans = [LayerPlan(keep=0)] * L
+    free = budget_bytes - fixed_bytes - headroom - L * k0
     if can_offload:
-        free -= 2 * k1  # two offloaded layers in flight
-    base = 0 if can_offload else k0  # GPU bytes of a layer that is not kept whole
-    free -= L * base
-    plans = [LayerPlan(keep=1, offload=True) if can_offload else LayerPlan(keep=0)] * L
-    if can_offload:
-        # the last layer's state is needed right after the forward: it stays on the GPU
-        plans[-1] = LayerPlan(keep=1)
-        free -= k1
+        n_off = min(L - 1, offload_capacity(cfg, tokens, itemsize))
+        plans = [LayerPlan(keep=1, offload=True)] * n_off + plans[n_off:]
+        free += n_off * k0 - 2 * k1  # offloaded layers hold nothing; two layers' copies in flight
+        for i in reversed(range(n_off, L)):
+            if free < k1 - k0:
+                break
+            free -= k1 - k0
+            plans[i] = LayerPlan(keep=1)
     for i in reversed(range(L)):
-        cost = k2 - (k1 if plans[i] == LayerPlan(keep=1) else base)
+        cost = k2 - (0 if plans[i].offload else kept_bytes(cfg, tokens, plans[i].keep, itemsize,
+                                                            autograd))
         if free < cost:
             break
         free -= cost

@@ -86,8 +86,44 @@ def profile(shape, policy, tokens_rows, seq, device):
            launches=sum(count.values()) // steps)
     for name, ms in sorted(by_name.items(), key=lambda kv: -kv[1])[:25]:
         print(f"   {ms:8.2f} ms  x{count[name] // steps:4d}  {name}", flush=True)
+    idle_gaps(prof, steps, shape, policy)
     del trainer, base
     torch.cuda.empty_cache()
+
+
+def idle_gaps(prof, steps, shape, policy, top=12):
+    """Where the compute stream sits idle: gaps between consecutive kernels on the busiest
+    stream (from the profiler's trace), summed by the kernel before and after each gap, and
+    where in the step they fall (per tenth of the step)."""
+    import json
+    import os
+
+    path = os.path.join(tempfile.mkdtemp(), "trace.json")
+    prof.export_chrome_trace(path)
+    events = [e for e in json.load(open(path))["traceEvents"]
+              if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    busy = defaultdict(float)
+    for e in events:
+        busy[e["tid"]] += e["dur"]
+    main = max(busy, key=busy.get)
+    ks = sorted((e for e in events if e["tid"] == main), key=lambda e: e["ts"])
+    t0, t1 = ks[0]["ts"], ks[-1]["ts"] + ks[-1]["dur"]
+    by_pair, by_tenth = defaultdict(float), defaultdict(float)
+    total = 0.0
+    end = ks[0]["ts"] + ks[0]["dur"]
+    prev = ks[0]
+    for e in ks[1:]:
+        gap = e["ts"] - end
+        if gap > 5:  # us
+            total += gap
+            by_pair[(prev["name"][:45], e["name"][:45])] += gap
+            by_tenth[int(10 * ((end - t0) % ((t1 - t0) / steps)) / ((t1 - t0) / steps))] += gap
+        if e["ts"] + e["dur"] > end:
+            end, prev = e["ts"] + e["dur"], e
+    record("idle", shape=shape, policy=policy, idle_ms_per_step=round(total / 1e3 / steps, 2),
+           by_tenth_ms={k: round(v / 1e3 / steps, 2) for k, v in sorted(by_tenth.items())})
+    for (a, b), us in sorted(by_pair.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"   idle {us / 1e3 / steps:7.2f} ms  after {a}  before {b}", flush=True)
 
 
 def gemm_rates(shape, tokens, device):

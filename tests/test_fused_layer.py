@@ -150,6 +150,17 @@ def test_pinned_pool_reuses_best_fit_and_stays_bounded(monkeypatch):
 @pytest.mark.parametrize("family,align", [("llama", 64), ("qwen2", 64), ("llama", 1)])
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_packed_projections_match_separate_gemms(family, align, backend, monkeypatch):
+    _check_packed(family, align, backend, monkeypatch, lora_in_gemm=True)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_packed_projections_without_lora_columns(family, monkeypatch):
+    """LEANTUNE_PACK_LORA=0: one GEMM per group with K = in, the LoRA term added after it."""
+    monkeypatch.setattr(fused_layer, "PACK_LORA", False)
+    _check_packed(family, 64, "triton", monkeypatch, lora_in_gemm=False)
+
+
+def _check_packed(family, align, backend, monkeypatch, lora_in_gemm):
     """Packed q/k/v, gate/up and down weights (one GEMM each, LoRA folded in through extra
     columns) give the same loss and gradients as separate GEMMs, hold the base weights without
     copying them, and are packed again when a weight is replaced."""
@@ -171,6 +182,10 @@ def test_packed_projections_match_separate_gemms(family, align, backend, monkeyp
 
     buf = gate._lt_packed  # [2 I, H + 2 r + pad]: gate rows, then up rows; s * B after H
     inter, H, r = gate.out_features, gate.in_features, gate.r
+    assert up.weight.data_ptr() == buf[inter].data_ptr() and torch.equal(up.weight, w_up)
+    if not lora_in_gemm:
+        assert buf.shape == (2 * inter, H)
+        return
     assert buf.shape == (2 * inter, H + 2 * r if align == 1 else 64)  # padded to PACK_ALIGN
     assert not buf[:, H + 2 * r:].any()
     assert up.weight.data_ptr() == buf[inter].data_ptr() and torch.equal(up.weight, w_up)

@@ -125,6 +125,9 @@ PACK_PROJECTIONS = os.environ.get("LEANTUNE_PACK_PROJECTIONS", "1") != "0"
 # The packed width in + R is padded with zero columns to a multiple of this many (64 bf16 values
 # = 128 bytes: whole GEMM K tiles, aligned rows); LEANTUNE_PACK_ALIGN=1 pads nothing.
 PACK_ALIGN = int(os.environ.get("LEANTUNE_PACK_ALIGN", 64))
+# LEANTUNE_PACK_LORA=0: packed weights without the LoRA columns (K = in exactly); the LoRA
+# term is then added by one rank-r product per projection, as unpacked.
+PACK_LORA = os.environ.get("LEANTUNE_PACK_LORA", "1") != "0"
 
 
 def set_pack_projections(enabled: bool) -> None:
@@ -150,7 +153,7 @@ def packed_weight(mods) -> torch.Tensor | None:
            or m.weight.device != w0.device for m in mods):
         return None
     in_f = mods[0].in_features
-    width = in_f + sum(_lora_rank(m) for m in mods)
+    width = in_f + (sum(_lora_rank(m) for m in mods) if PACK_LORA else 0)
     if width > in_f:
         width += -width % PACK_ALIGN
     shape = (sum(m.out_features for m in mods), width)
@@ -211,7 +214,9 @@ class _Group:
             else:
                 self.b.append(None)
                 self.cols.append(None)
-        if self.packed is not None:
+        # whether the LoRA term rides in the packed GEMM (extra K columns) or is added after it
+        self.lora_in_gemm = self.packed is not None and self.packed.shape[1] > self.in_f
+        if self.lora_in_gemm:
             row = 0
             with torch.no_grad():
                 for m, cols in zip(mods, self.cols):
@@ -247,7 +252,7 @@ class _Group:
 
     def fill_lora(self, X: torch.Tensor) -> None:
         """X[:, in:] = X[:, :in] @ A_cat^T (packed groups with LoRA; nothing otherwise)."""
-        if self.packed is not None and self.R:
+        if self.lora_in_gemm and self.R:
             torch.mm(X[:, :self.in_f], self.a.t(), out=X[:, self.in_f:self.in_f + self.R])
 
     def project(self, X: torch.Tensor, resid: torch.Tensor | None = None,
@@ -261,6 +266,11 @@ class _Group:
                  else torch.mm(X, self.packed.t(), out=out))
             if self.bias_cat is not None:
                 y.add_(self.bias_cat)
+            if self.a is not None and not self.lora_in_gemm:
+                xa = X @ self.a.t()
+                for yi, m, b, cols in zip(self.split(y), self.mods, self.b, self.cols):
+                    if b is not None:
+                        yi.addmm_(xa[:, cols], b.t(), alpha=m.scaling)
             return y
         x = X[:, :self.in_f]
         xa = x @ self.a.t() if self.a is not None else None

@@ -3,7 +3,7 @@ and offloaded activations for LoRA training.
 
 To autograd a layer is a single node. Forward runs the layer without building a graph and keeps
 only what the layer's `LayerPlan` asks for; backward recomputes the rest and back-propagates by
-hand through our kernels (RMSNorm, RoPE, GLU), cuBLAS and flash attention. Per layer, with
+hand through our kernels (RMSNorm, RoPE, GLU), cuBLAS and flash or cuDNN attention. Per layer, with
 x: [N, H] (N = B*T tokens), h_mid = x + attn(norm1(x)), out = h_mid + mlp(norm2(h_mid)):
 
     keep 0 "input":      x                          backward recomputes norm1, q/k/v, RoPE,
@@ -11,7 +11,8 @@ x: [N, H] (N = B*T tokens), h_mid = x + attn(norm1(x)), out = h_mid + mlp(norm2(
     keep 1 "attention":  x, h_mid, q, k, v (rotated), attention output (+ its log-sum-exp)
                                                     backward recomputes norm1, norm2, gate/up
                                                     (and, off the flash and cuDNN paths, attention)
-    keep 2 "all":        keep 1 + gate and up       backward recomputes the norms and activation
+    keep 2 "all":        keep 1 + gate and up       backward recomputes the norms (the
+                                                    activation comes out of the GLU backward)
 
 The down projection is never recomputed (its output is not needed in backward), nor, from keep 1
 up, the o projection; torch.utils.checkpoint reruns the whole layer. Kept tensors stay on the
@@ -26,7 +27,9 @@ per projection (x: input, W: [out, in], A: [r, in], B: [out, r], s: scaling):
     y = x W^T + s (x A^T) B^T;   ga = s dy B;   dB = s dy^T (x A^T);   dA = ga^T x;
     dx = dy W + ga A
 Projections that share an input (q/k/v; gate/up) concatenate their A's: one x A^T and one
-ga A product for all of them.
+ga A product for all of them. With packed weights (PACK_PROJECTIONS, below) q/k/v, gate/up and
+down are one GEMM each with the LoRA term inside it; the residual adds ride in the GEMMs (addmm)
+and in the RMSNorm backward.
 
 Used when a layer qualifies (`fused_unsupported` says why not: trainable base weights, LoRA
 dropout, q/k norm); otherwise the model falls back to autograd (+ torch.utils.checkpoint).
@@ -126,7 +129,8 @@ PACK_PROJECTIONS = os.environ.get("LEANTUNE_PACK_PROJECTIONS", "1") != "0"
 # = 128 bytes: whole GEMM K tiles, aligned rows); LEANTUNE_PACK_ALIGN=1 pads nothing.
 PACK_ALIGN = int(os.environ.get("LEANTUNE_PACK_ALIGN", 64))
 # LEANTUNE_PACK_LORA=0: packed weights without the LoRA columns (K = in exactly); the LoRA
-# term is then added by one rank-r product per projection, as unpacked.
+# term is then added by one rank-r product per projection, as unpacked (measured 2.7% slower at
+# Llama-3.1-8B on an H200: 13.6k vs 14.0k tok/s).
 PACK_LORA = os.environ.get("LEANTUNE_PACK_LORA", "1") != "0"
 
 

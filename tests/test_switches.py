@@ -164,3 +164,13 @@ def test_autograd_plans_never_offload_and_budget_autograd_activations():
     bf16 = plan_layers(cfg, 8192, 40 * gib, 16 * gib, host_bytes=512 * gib)
     fp32 = plan_layers(cfg, 8192, 40 * gib, 16 * gib, host_bytes=512 * gib, itemsize=4)
     assert sum(p.keep == 2 for p in fp32) < sum(p.keep == 2 for p in bf16)
+
+
+def test_host_memory_reads_available_memory(tmp_path):
+    from leantune.train.memory import host_memory_bytes
+
+    info = tmp_path / "meminfo"
+    info.write_text("MemTotal:       131072000 kB\nMemFree:          1000 kB\n"
+                    "MemAvailable:    65536000 kB\n")
+    assert host_memory_bytes(str(info)) == 65536000 * 1024
+    assert host_memory_bytes(str(tmp_path / "missing")) > 0  # falls back to physical memory

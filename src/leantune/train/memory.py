@@ -85,8 +85,17 @@ def mlp_chunk_working_bytes(cfg, tokens: int, itemsize: int = 2) -> int:
     return 3 * min(one, int(fused_layer.MLP_CHUNK_BYTES))
 
 
-def host_memory_bytes() -> int:
-    """Physical memory of this machine (0 if unknown)."""
+def host_memory_bytes(meminfo: str = "/proc/meminfo") -> int:
+    """Host memory available to this run now (Linux MemAvailable: free plus reclaimable cache),
+    else the machine's physical memory, else 0. Other processes' use (e.g. one per GPU on a
+    multi-GPU host) is already subtracted from MemAvailable."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):

@@ -174,13 +174,13 @@ def _check_packed(family, align, backend, monkeypatch, lora_in_gemm):
     with kernels.backend(backend):
         monkeypatch.setattr(fused_layer, "PACK_PROJECTIONS", False)
         ref_loss, ref_grads = loss_and_grads(model, batch)
-        assert getattr(gate, "_lt_packed", None) is None
+        assert getattr(gate, "_lt_packed_layout", None) is None
         monkeypatch.setattr(fused_layer, "PACK_PROJECTIONS", True)
         loss, grads = loss_and_grads(model, batch)
     torch.testing.assert_close(loss, ref_loss)
     torch.testing.assert_close(grads, ref_grads, rtol=1e-5, atol=1e-6)
 
-    buf = gate._lt_packed  # [2 I, H + 2 r + pad]: gate rows, then up rows; s * B after H
+    buf = fused_layer.packed_weight([gate, up])  # [2 I, H + 2 r + pad]: gate, then up rows
     inter, H, r = gate.out_features, gate.in_features, gate.r
     assert up.weight.data_ptr() == buf[inter].data_ptr() and torch.equal(up.weight, w_up)
     if not lora_in_gemm:
@@ -191,10 +191,37 @@ def _check_packed(family, align, backend, monkeypatch, lora_in_gemm):
     assert up.weight.data_ptr() == buf[inter].data_ptr() and torch.equal(up.weight, w_up)
     torch.testing.assert_close(buf[inter:, H + r:H + 2 * r], up.lora_B.weight * up.scaling)
     assert not buf[:inter, H + r:].any() and not buf[inter:, H:H + r].any()
-    assert q.weight.data_ptr() == q._lt_packed.data_ptr()
+    assert q.weight.data_ptr() == fused_layer.packed_weight(
+        [q, layer.self_attn.k_proj, layer.self_attn.v_proj]).data_ptr()
 
     up.weight = torch.nn.Parameter(w_up.clone(), requires_grad=False)  # e.g. reloaded
     with kernels.backend(backend):
         loss2, grads2 = loss_and_grads(model, batch)
-    assert gate._lt_packed is not buf and up.weight.data_ptr() == gate._lt_packed[inter].data_ptr()
+    new = fused_layer.packed_weight([gate, up])
+    assert new.data_ptr() != buf.data_ptr() and up.weight.data_ptr() == new[inter].data_ptr()
     torch.testing.assert_close(grads2, ref_grads, rtol=1e-5, atol=1e-6)
+
+
+def test_packing_follows_rank_changes_and_device_moves():
+    """Re-attached adapters of another rank, or an adapter removed, re-pack the weights (no
+    stale s * B columns); .to() leaves no reference to the old packed buffer."""
+    model = model_for(CONFIGS["llama"])
+    plans = [LayerPlan(1)] * 3
+    check(model, plans)
+    apply_lora(model, LoRAConfig(r=8, alpha=16), seed=1)  # same padded width as r=4
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    model.set_layer_plans([None] * 3)
+    check(model, plans)
+    for layer in model.model.layers:
+        layer.self_attn.q_proj.lora_A = layer.self_attn.q_proj.lora_B = None
+    model.set_layer_plans([None] * 3)
+    check(model, plans)
+
+    gate = model.model.layers[0].mlp.gate_proj
+    assert gate.weight.untyped_storage().nbytes() > gate.weight.numel() * 4  # packed
+    model.double()
+    assert gate.weight.untyped_storage().nbytes() == gate.weight.numel() * 8  # its own copy
+    assert not any(isinstance(v, torch.Tensor) for v in vars(gate).values())

@@ -144,9 +144,13 @@ def _lora_rank(m) -> int:
 
 
 def packed_weight(mods) -> torch.Tensor | None:
-    """The packed weight of projections reading one input (made, or remade after the weights or
-    ranks changed, on first use), or None where packing is off or impossible (a quantised or
-    trainable base, mixed input sizes or dtypes)."""
+    """The packed weight of projections reading one input (made, or remade after the weights,
+    their dtype/device or the LoRA ranks changed, on first use), or None where packing is off or
+    impossible (a quantised or trainable base, mixed input sizes or dtypes).
+
+    The modules hold no reference to the buffer, only their weights' views of its storage (and
+    the layout as plain numbers): after `.to()` gives the weights fresh storage, nothing keeps
+    the old buffer alive."""
     from ..lora.layer import LoRALinear
 
     if not PACK_PROJECTIONS or any(type(m).base_weight is not LoRALinear.base_weight
@@ -157,20 +161,23 @@ def packed_weight(mods) -> torch.Tensor | None:
            or m.weight.device != w0.device for m in mods):
         return None
     in_f = mods[0].in_features
-    width = in_f + (sum(_lora_rank(m) for m in mods) if PACK_LORA else 0)
+    ranks = tuple(_lora_rank(m) if PACK_LORA else 0 for m in mods)
+    width = in_f + sum(ranks)
     if width > in_f:
         width += -width % PACK_ALIGN
     shape = (sum(m.out_features for m in mods), width)
-    buf = getattr(mods[0], "_lt_packed", None)
-    if buf is not None and tuple(buf.shape) == shape and buf.dtype == w0.dtype:
-        row, ok = 0, True
+    layout = (shape, ranks)
+    if getattr(mods[0], "_lt_packed_layout", None) == layout:
+        storage, row, ok = w0.untyped_storage(), 0, True
         for m in mods:
-            ok = ok and (m.weight.data_ptr() == buf[row].data_ptr()
-                         and m.weight.stride() == (shape[1], 1))
+            ok = ok and (m.weight.untyped_storage().data_ptr() == storage.data_ptr()
+                         and m.weight.storage_offset() == row * width
+                         and m.weight.stride() == (width, 1))
             row += m.out_features
-        if ok:
-            return buf
-    buf = torch.zeros(shape, dtype=w0.dtype, device=w0.device)
+        if ok and storage.nbytes() >= shape[0] * width * w0.element_size():
+            return torch.empty(0, dtype=w0.dtype, device=w0.device).set_(
+                storage, 0, shape, (width, 1))
+    buf = torch.zeros(shape, dtype=w0.dtype, device=w0.device)  # LoRA columns and padding: 0
     row = 0
     with torch.no_grad():
         for m in mods:
@@ -178,7 +185,7 @@ def packed_weight(mods) -> torch.Tensor | None:
             view.copy_(m.weight)
             m.weight.data = view  # the old storage is freed: no extra memory
             row += m.out_features
-    mods[0]._lt_packed = buf
+    mods[0]._lt_packed_layout = layout
     return buf
 
 

@@ -174,3 +174,25 @@ def test_host_memory_reads_available_memory(tmp_path):
                     "MemAvailable:    65536000 kB\n")
     assert host_memory_bytes(str(info)) == 65536000 * 1024
     assert host_memory_bytes(str(tmp_path / "missing")) > 0  # falls back to physical memory
+
+
+@pytest.mark.parametrize("layers,tokens", [(30, 8192), (30, 262144), (1, 8192), (2, 4096)])
+def test_plans_never_exceed_a_budget_that_inputs_alone_fit(layers, tokens):
+    """Offloading holds two layers' state in flight: where that costs more GPU memory than
+    keeping inputs (small models, one layer) and only the inputs fit, the planner recomputes."""
+    from leantune.train.memory import HEADROOM_GIB, least_plan_bytes
+
+    cfg = ModelConfig.from_dict(dict(CFG, hidden_size=576, intermediate_size=1536,
+                                     num_hidden_layers=layers, num_attention_heads=9,
+                                     num_key_value_heads=3, head_dim=64))
+    gib, fixed = 2**30, 0.3 * 2**30
+    least = least_plan_bytes(cfg, tokens)
+    k0, k1 = kept_bytes(cfg, tokens, 0), kept_bytes(cfg, tokens, 1)
+    for extra in (0.0, 0.01, 0.05, 0.2, 1.0, 8.0):
+        budget = fixed + least + extra * gib
+        plans = plan_layers(cfg, tokens, budget, fixed, host_bytes=512 * gib)
+        n_off = sum(p.offload for p in plans)
+        used = (least - layers * k0 + min(n_off, 2) * k1
+                + sum(kept_bytes(cfg, tokens, p.keep) for p in plans if not p.offload))
+        assert fixed + used <= budget, (extra, [(p.keep, p.offload) for p in plans])
+    assert HEADROOM_GIB > 0

@@ -23,6 +23,7 @@ import os
 
 import torch
 
+from ..model.activation_store import IN_FLIGHT_LAYERS
 from ..model.fused_layer import LayerPlan
 
 # Measured on an H200 (offload, 4 x 2048 tokens): the working set above weights, optimizer state
@@ -70,8 +71,6 @@ def offload_capacity(cfg, tokens: int, itemsize: int = 2) -> int:
     """How many layers' attention state (keep 1) the host link takes during one forward without
     holding it up: all layers' forward time over one layer's copy time, plus the copies still
     allowed in flight when the forward ends."""
-    from ..model.activation_store import IN_FLIGHT_LAYERS
-
     forward_s = cfg.num_hidden_layers * layer_forward_flops(cfg, tokens) / FWD_FLOPS_PER_S
     copy_s = kept_bytes(cfg, tokens, 1, itemsize) / LINK_BYTES_PER_S
     return min(cfg.num_hidden_layers, int(forward_s / copy_s) + IN_FLIGHT_LAYERS)
@@ -121,13 +120,18 @@ def plan_layers(cfg, tokens: int, budget_bytes: float, fixed_bytes: float,
         headroom = (HEADROOM_GIB * 2**30 + HEADROOM_HIDDEN * itemsize * cfg.hidden_size * tokens
                     + mlp_chunk_working_bytes(cfg, tokens, itemsize))
     host = host_memory_bytes() if host_bytes is None else host_bytes
-    can_offload = host >= 2 * L * k1  # leave the host at least half its memory
     plans = [LayerPlan(keep=0)] * L
     free = budget_bytes - fixed_bytes - headroom - L * k0
+    n_off = min(L - 1, offload_capacity(cfg, tokens, itemsize))
+    # offloaded layers hold nothing on the GPU, but up to two layers' copies are in flight
+    off_delta = n_off * k0 - min(n_off, IN_FLIGHT_LAYERS) * k1
+    # offload (faster than recomputing) where the host has room (leaving it half its memory),
+    # unless it would take more GPU memory than keeping inputs and that would not fit
+    can_offload = (host >= 2 * L * k1 and n_off > 0
+                   and (off_delta >= 0 or free + off_delta >= 0))
     if can_offload:
-        n_off = min(L - 1, offload_capacity(cfg, tokens, itemsize))
         plans = [LayerPlan(keep=1, offload=True)] * n_off + plans[n_off:]
-        free += n_off * k0 - 2 * k1  # offloaded layers hold nothing; two layers' copies in flight
+        free += off_delta
         for i in reversed(range(n_off, L)):
             if free < k1 - k0:
                 break
@@ -141,6 +145,18 @@ def plan_layers(cfg, tokens: int, budget_bytes: float, fixed_bytes: float,
         free -= cost
         plans[i] = LayerPlan(keep=2)
     return plans
+
+
+def least_plan_bytes(cfg, tokens: int, itemsize: int = 2, autograd: bool = False) -> int:
+    """GPU bytes beside weights and optimizer state that even the leanest plan needs (every
+    layer keeps its input, plus the working set): a budget below it will run out of memory."""
+    if autograd:
+        return int(AUTOGRAD_HEADROOM_GIB * 2**30 + AUTOGRAD_HEADROOM_LAYERS *
+                   kept_bytes(cfg, tokens, 2, itemsize, True)
+                   + cfg.num_hidden_layers * kept_bytes(cfg, tokens, 0, itemsize))
+    return int(HEADROOM_GIB * 2**30 + HEADROOM_HIDDEN * itemsize * cfg.hidden_size * tokens
+               + mlp_chunk_working_bytes(cfg, tokens, itemsize)
+               + cfg.num_hidden_layers * kept_bytes(cfg, tokens, 0, itemsize))
 
 
 def policy_plans(policy: str, num_layers: int) -> list[LayerPlan]:

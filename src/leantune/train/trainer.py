@@ -120,7 +120,8 @@ class Trainer:
             apply_lora(m, lcfg, seed=cfg.seed, dtype=torch.float32)
         self.params = [p for p in m.parameters() if p.requires_grad]
         policy = cfg.checkpointing
-        from .memory import describe, gpu_budget_bytes, plan_layers, policy_plans
+        from .memory import (describe, gpu_budget_bytes, least_plan_bytes, plan_layers,
+                             policy_plans)
 
         L = m.config.num_hidden_layers
         if cfg.offload_embedding and self.device.type == "cuda" and m.offload_embedding():
@@ -143,6 +144,13 @@ class Trainer:
             plans = plan_layers(m.config, tokens, budget, fixed, itemsize=itemsize,
                                 autograd=unsupported is not None)
             policy = f"auto ({describe(plans)})"
+            least = fixed + least_plan_bytes(m.config, tokens, itemsize,
+                                             autograd=unsupported is not None)
+            if least > budget:
+                self.log(f"note: this run needs about {least / 2**30:.1f} GiB of GPU memory at "
+                         f"least (weights and optimizer state {fixed / 2**30:.1f} GiB), more "
+                         f"than the {budget / 2**30:.1f} GiB allowed; it may run out of memory: "
+                         f"raise --max-memory-gib, or lower --batch-size or --max-seq-len")
         else:
             if policy == "auto":
                 policy = "none"

@@ -378,3 +378,15 @@ def test_resume_with_other_optimisation_settings_is_a_one_line_error(run_a, tmp_
     flag = "--" + key.replace("_", "-")
     with pytest.raises(LeantuneError, match=f"step-00000004: the run was started with {flag} "):
         Trainer(dataclasses.replace(cfg_b, resume=True, **change), log=quiet)
+
+
+def test_token_ids_outside_the_vocabulary_are_a_one_line_error(tiny_ckpt, alpaca_file,  # noqa: F811
+                                                               tmp_path):
+    from leantune.model.loader import load_model
+
+    model = load_model(str(tiny_ckpt), dtype=torch.float32)
+    V = model.config.vocab_size
+    docs = [([1, 2, 3], [2, 3, -100]), ([5, V + 7, 6], [V + 7, 6, -100])]
+    cfg = make_cfg(tiny_ckpt, alpaca_file, tmp_path / "run", max_steps=1)
+    with pytest.raises(LeantuneError, match=f"training data: document 1 holds token id {V + 7}"):
+        Trainer(cfg, model=model, train_data=docs, log=quiet)

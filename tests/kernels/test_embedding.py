@@ -22,6 +22,12 @@ def test_gather_rows_matches_embedding(dtype, V, H, ids_shape):
     assert torch.equal(out, F.embedding(ids, weight))  # a copy: bit-exact
 
 
+def test_ids_outside_the_table_read_nothing():
+    weight = torch.randn(16, 5)
+    out = gather_rows(torch.tensor([3, 16, -1, 100000]), weight)
+    assert torch.equal(out[0], weight[3]) and not out[1:].any()
+
+
 def test_lookup_on_one_device_is_plain_embedding_with_grad():
     weight = torch.randn(13, 8, requires_grad=True)
     ids = torch.tensor([[1, 12, 3]])

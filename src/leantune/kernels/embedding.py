@@ -27,14 +27,17 @@ _BLOCK_H = 1024
 if triton is not None:
 
     @triton.jit
-    def _gather_rows_kernel(IDS, W, OUT, H, stride_w, BLOCK_H: tl.constexpr):
-        """OUT[row] = W[IDS[row]] for one row per program, H columns in BLOCK_H pieces."""
+    def _gather_rows_kernel(IDS, W, OUT, V, H, stride_w, BLOCK_H: tl.constexpr):
+        """OUT[row] = W[IDS[row]] for one row per program, H columns in BLOCK_H pieces. An id
+        outside [0, V) reads nothing and gives a zero row (the Trainer rejects such ids up
+        front; this only keeps the kernel from reading past the table)."""
         row = tl.program_id(0).to(tl.int64)
         idx = tl.load(IDS + row).to(tl.int64)
+        readable = tl.where((idx >= 0) & (idx < V), H, 0)  # columns to read: H, or none
         for h0 in range(0, H, BLOCK_H):
             cols = h0 + tl.arange(0, BLOCK_H)
             mask = cols < H
-            vals = tl.load(W + idx * stride_w + cols, mask=mask)
+            vals = tl.load(W + idx * stride_w + cols, mask=cols < readable, other=0.0)
             tl.store(OUT + row * H + cols, vals, mask=mask)
 
 
@@ -48,8 +51,9 @@ def gather_rows(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     out = torch.empty(*ids.shape, weight.shape[1], dtype=weight.dtype, device=ids.device)
     flat = ids.reshape(-1)
     if flat.numel():
-        _gather_rows_kernel[(flat.numel(),)](flat, weight, out, weight.shape[1],
-                                             weight.stride(0), BLOCK_H=_BLOCK_H, num_warps=4)
+        _gather_rows_kernel[(flat.numel(),)](flat, weight, out, weight.shape[0],
+                                             weight.shape[1], weight.stride(0),
+                                             BLOCK_H=_BLOCK_H, num_warps=4)
     return out
 
 

@@ -189,6 +189,10 @@ class Trainer:
         if getattr(train_data, "num_truncated", 0):
             self.log(f"note: {train_data.num_truncated} documents longer than --max-seq-len "
                      f"{cfg.max_seq_len} were truncated")
+        vocab = self.model.config.vocab_size
+        for what, data in (("training data", train_data), ("eval data", eval_data)):
+            if data is not None:
+                _check_token_ids(data, vocab, what)
         self.train_data, self.eval_data = train_data, eval_data
         self.loader = PackedLoader(train_data, cfg.batch_size, cfg.max_seq_len, seed=cfg.seed,
                                    shuffle=True)
@@ -421,6 +425,19 @@ def resolve_device(name: str | None) -> torch.device:
             raise LeantuneError(f"--device {name}: torch sees only {torch.cuda.device_count()} "
                                 "CUDA GPU(s), numbered from 0")
     return device
+
+
+def _check_token_ids(data, vocab: int, what: str) -> None:
+    """Every token id must index the model's embedding (an id past it would read outside the
+    table): one line naming the document otherwise."""
+    for i in range(len(data)):
+        ids = data[i][0]
+        if len(ids) and (max(ids) >= vocab or min(ids) < 0):
+            bad = max(ids) if max(ids) >= vocab else min(ids)
+            raise LeantuneError(
+                f"{what}: document {i} holds token id {bad}, outside the model's vocabulary "
+                f"(0..{vocab - 1}); the tokenizer does not match the model (check --model), or "
+                f"the ids were made for another vocabulary")
 
 
 def load_tokenizer(model: str | None):

@@ -225,3 +225,26 @@ def test_packing_follows_rank_changes_and_device_moves():
     model.double()
     assert gate.weight.untyped_storage().nbytes() == gate.weight.numel() * 8  # its own copy
     assert not any(isinstance(v, torch.Tensor) for v in vars(gate).values())
+
+
+def test_cudnn_backward_refusal_falls_back_to_autograd(monkeypatch):
+    """If cuDNN runs the forward but refuses the backward, the gradients come from attention
+    re-run under autograd (and cuDNN is switched off), not from an error mid-backward."""
+    from leantune.model import attention as am
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("cuDNN: no engine for this backward")
+
+    monkeypatch.setattr(am, "cudnn_backward", refuse)
+    monkeypatch.setattr(am, "_CUDNN_DENSE", True)
+    B, T, Hq, Hk, D = 2, 5, 4, 2, 8
+    q, k, v = (torch.randn(B, T, h, D) for h in (Hq, Hk, Hk))
+    meta = am.AttentionMeta.build((B, T), torch.device("cpu"), None, None, T, {None})
+    out = am.attention(q, k, v, meta, None, D ** -0.5)
+    dout = torch.randn_like(out)
+    grads = am.attention_backward(dout, q, k, v, out, ("cudnn", None), meta, None, D ** -0.5)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = torch.autograd.grad(am.attention(*leaves, meta, None, D ** -0.5), leaves, dout)
+    for g, r in zip(grads, ref):
+        torch.testing.assert_close(g, r)
+    assert am._CUDNN_DENSE is False

@@ -278,7 +278,13 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     """Gradients (dq, dk, dv) for dout [B, T, Hq, D], given attention_forward's inputs/outputs."""
     B, T, Hq, D = q.shape
     if aux is not None and isinstance(aux[0], str) and aux[0] == "cudnn":
-        return cudnn_backward(dout, q, k, v, out, aux[1], scale)
+        try:
+            return cudnn_backward(dout, q, k, v, out, aux[1], scale)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError:  # cuDNN took the forward but refuses the backward: flash from now
+            set_cudnn_attention(False)
+            aux = None  # -> attention re-run under autograd below
     if aux is not None and isinstance(aux[0], str):  # ("graph", out, leaves)
         _, out_graph, leaves = aux
         return torch.autograd.grad(out_graph, leaves, dout)

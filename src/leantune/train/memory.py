@@ -147,16 +147,24 @@ def plan_layers(cfg, tokens: int, budget_bytes: float, fixed_bytes: float,
     return plans
 
 
-def least_plan_bytes(cfg, tokens: int, itemsize: int = 2, autograd: bool = False) -> int:
-    """GPU bytes beside weights and optimizer state that even the leanest plan needs (every
-    layer keeps its input, plus the working set): a budget below it will run out of memory."""
+def least_plan_bytes(cfg, tokens: int, itemsize: int = 2, autograd: bool = False,
+                     host_bytes: float | None = None) -> int:
+    """GPU bytes beside weights and optimizer state that the leanest plan `plan_layers` can make
+    needs (layers keep their input, or offload their state where the host has room, plus the
+    working set): a budget below it will run out of memory."""
+    L = cfg.num_hidden_layers
+    k0 = kept_bytes(cfg, tokens, 0, itemsize)
     if autograd:
         return int(AUTOGRAD_HEADROOM_GIB * 2**30 + AUTOGRAD_HEADROOM_LAYERS *
-                   kept_bytes(cfg, tokens, 2, itemsize, True)
-                   + cfg.num_hidden_layers * kept_bytes(cfg, tokens, 0, itemsize))
+                   kept_bytes(cfg, tokens, 2, itemsize, True) + L * k0)
+    kept = L * k0
+    k1 = kept_bytes(cfg, tokens, 1, itemsize)
+    host = host_memory_bytes() if host_bytes is None else host_bytes
+    n_off = min(L - 1, offload_capacity(cfg, tokens, itemsize))
+    if host >= 2 * L * k1 and n_off > 0:
+        kept = min(kept, (L - n_off) * k0 + min(n_off, IN_FLIGHT_LAYERS) * k1)
     return int(HEADROOM_GIB * 2**30 + HEADROOM_HIDDEN * itemsize * cfg.hidden_size * tokens
-               + mlp_chunk_working_bytes(cfg, tokens, itemsize)
-               + cfg.num_hidden_layers * kept_bytes(cfg, tokens, 0, itemsize))
+               + mlp_chunk_working_bytes(cfg, tokens, itemsize) + kept)
 
 
 def policy_plans(policy: str, num_layers: int) -> list[LayerPlan]:

@@ -155,8 +155,19 @@ def test_yaml_config_and_flags_win(tiny_ckpt, alpaca_file, tmp_path, capsys):  #
     assert json.loads((out_dir / "adapter_config.json").read_text())["r"] == 3
 
 
+def test_yaml_switch_off_flags_as_keys(tmp_path):
+    """`no-fused-layers: true` (the flag's name) reads as `fused_layers: false`."""
+    from leantune.train.config import load_yaml_config
+
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("no-offload-embedding: true\nno_fused_layers: false\nprogress: false\n")
+    assert load_yaml_config(str(cfg)) == {"offload_embedding": False, "fused_layers": True,
+                                          "progress": False}
+
+
 @pytest.mark.parametrize("text, expect", [
     ("max_steps: 2\nlearning_rate: 1e-4\n", "unknown option 'learning_rate'"),
+    ("no-lr: true\n", "option 'no-lr' must be a number"),
     ("max_steps: two\n", "option 'max_steps' must be an integer"),
     ("lr: fast\n", "option 'lr' must be a number"),
     ("full: 1\n", "option 'full' must be true or false"),

@@ -36,6 +36,13 @@ def test_lookup_on_one_device_is_plain_embedding_with_grad():
     assert weight.grad[12].eq(1).all() and weight.grad[0].eq(0).all()
 
 
+def test_a_trainable_table_on_another_device_is_refused():
+    weight = torch.randn(13, 8, requires_grad=True)
+    ids = torch.tensor([1, 2])
+    with pytest.raises(RuntimeError, match="cannot be trained"):
+        embedding_lookup(ids.to("meta"), weight)
+
+
 def test_model_keeps_a_cpu_or_tied_table_where_it_is():
     from leantune.model.config import ModelConfig
     from leantune.model.loader import build_empty

@@ -64,6 +64,10 @@ def embedding_lookup(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     gather reads the rows over the host link (the reference copies ids to the host and back)."""
     if weight.device == ids.device:
         return F.embedding(ids, weight)
+    if weight.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError("the input embedding lives in host memory (offload_embedding), where "
+                           "it cannot be trained: move it back to the GPU first, e.g. "
+                           "model.model.embed_tokens.to(device)")
     if ids.is_cuda and weight.is_pinned() and weight.stride(1) == 1 and use_triton(ids):
         return gather_rows(ids, weight)
     return embedding_reference(ids, weight)

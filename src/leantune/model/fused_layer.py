@@ -122,7 +122,8 @@ def lora_params(layer) -> list[torch.nn.Parameter]:
 # carries x A_cat^T beside x, so the GEMM adds the LoRA term too:
 #     [x | x A_cat^T] @ [W_cat | s B_blockdiag]^T = x W_cat^T + s (x A^T) B^T per projection.
 # One wide GEMM runs faster than several narrow ones, and no pass over the output adds the LoRA
-# term. No extra memory: the modules' `weight` Parameters are views into the buffer.
+# term. The modules' `weight` Parameters are views into the buffer: no copy of the weights
+# (the LoRA columns and padding add ~1%: 4.75 MiB a layer at Llama-3.1-8B).
 # LEANTUNE_PACK_PROJECTIONS=0 (or set_pack_projections(False)) keeps separate GEMMs.
 PACK_PROJECTIONS = os.environ.get("LEANTUNE_PACK_PROJECTIONS", "1") != "0"
 # The packed width in + R is padded with zero columns to a multiple of this many (64 bf16 values

@@ -157,20 +157,24 @@ class CausalLM(nn.Module):
                 return why
         return None
 
-    def pack_projections(self) -> None:
+    def pack_projections(self, all_layers: bool = False) -> None:
         """Pack the projection weights of every layer the fused path runs (fused_layer.py:
-        packed_weight) now rather than in the first step; nothing for autograd layers."""
+        packed_weight) now rather than in the first step; nothing for autograd layers. With
+        `all_layers`, every layer the fused path supports, whatever its plan (e.g. before
+        plans exist, so that memory is measured with the packed layout)."""
         for layer, plan in zip(self.model.layers, self.layer_plans):
-            if self.fused and plan is not None and fused_unsupported(layer) is None:
+            if (self.fused and (plan is not None or all_layers)
+                    and fused_unsupported(layer) is None):
                 pack_layer(layer)
 
     def offload_embedding(self) -> bool:
         """Keep the input embedding table in pinned host memory (1 GiB of GPU memory at
         Llama-3.1-8B size); each forward gathers its tokens' rows over the host link
         (kernels/embedding.py). Only for a frozen CUDA table that the output layer does not
-        share. Returns whether the table moved."""
+        share, and only where the Triton gather runs (without it every lookup would round-trip
+        through the host). Returns whether the table moved."""
         w = self.model.embed_tokens.weight
-        if self.lm_head is None or w.requires_grad or not w.is_cuda:
+        if self.lm_head is None or w.requires_grad or not w.is_cuda or not kernels.use_triton(w):
             return False
         host = torch.empty(w.shape, dtype=w.dtype, pin_memory=True)
         host.copy_(w.data)

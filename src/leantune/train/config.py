@@ -105,6 +105,13 @@ def load_yaml_config(path: str) -> dict:
     out = {}
     for k, v in raw.items():
         key = str(k).replace("-", "_")
+        if key not in TrainConfig.keys() and key.startswith("no_") and key[3:] in TrainConfig.keys():
+            # a switch-off flag as a key (`no-fused-layers: true`) = the field set to false
+            value = _coerce(p, k, key[3:], v)
+            if not isinstance(value, bool):
+                raise LeantuneError(f"{p}: option {k!r} is not a switch; use {key[3:]!r}")
+            out[key[3:]] = not value
+            continue
         if key not in TrainConfig.keys():
             raise LeantuneError(f"{p}: unknown option {k!r}; options are the `leantune train` "
                                 "flags without the leading dashes")

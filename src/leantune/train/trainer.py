@@ -134,6 +134,9 @@ class Trainer:
         # why layers run under autograd instead of the fused layer backward (None: they don't)
         unsupported = ("--no-fused-layers" if not cfg.fused_layers else
                        "--compile" if cfg.compile else m.fused_unsupported())
+        if m.fused and self.device.type == "cuda" and unsupported is None:
+            m.pack_projections(all_layers=True)  # on CUDA every fused layer runs packed:
+            # pack before measuring memory (the LoRA columns add ~1% to the packed weights)
         if policy == "auto" and self.device.type == "cuda":
             # fixed: weights (allocated now) + fp32 grads and two AdamW moments of trainables
             fixed = torch.cuda.memory_allocated(self.device) + sum(

@@ -38,8 +38,14 @@ def small_config(window: int | None, layers: int) -> ModelConfig:
 
 
 def main():
+    import argparse
+
     import transformers
     import triton
+
+    argparse.ArgumentParser(description="GPU correctness checks (bf16/fp32): kernels vs "
+                            "reference ops, fused layer vs autograd, host-memory embedding; "
+                            "one JSON line each").parse_args()
 
     record("env", torch=torch.__version__, triton=triton.__version__,
            transformers=transformers.__version__, gpu=torch.cuda.get_device_name(),

@@ -76,7 +76,9 @@ def hf_peft_model(shape: str, base, device, gradient_checkpointing=True):
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa",
                                               dtype=torch.bfloat16)
-    state = {k: v for k, v in base.state_dict().items() if "lora_" not in k}
+    # .to(device): shares the tensors already there; a copy of a table leantune keeps in host
+    # memory (the Trainer's offload_embedding), which HF reads on the GPU
+    state = {k: v.to(device) for k, v in base.state_dict().items() if "lora_" not in k}
     if cfg.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     hf.load_state_dict(state, assign=True, strict=False)

@@ -166,8 +166,21 @@ def triton_ops(M=8192, H=4096, inter=14336, chunk=2304):
     record("triton_ops", **res)
 
 
+PARTS = {"cudnn": "cudnn_ops", "packed": "packed_widths", "gemms": "gemms",
+         "lora": "lora_products", "copies": "copies", "triton": "triton_ops"}
+
+
 def main():
-    for fn in (cudnn_ops, packed_widths, gemms, lora_products, copies, triton_ops):
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("parts", nargs="*", metavar="PART", default=list(PARTS),
+                    help=f"which measurements, of {list(PARTS)} (default: all)")
+    args = ap.parse_args()
+    unknown = [p for p in args.parts if p not in PARTS]
+    if unknown:
+        ap.error(f"unknown part(s) {unknown}; choose from {list(PARTS)}")
+    for fn in (globals()[PARTS[p]] for p in args.parts):
         try:
             fn()
         except Exception as ex:  # keep going: each part is independent

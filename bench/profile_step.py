@@ -30,7 +30,8 @@ def category(name: str) -> str:
         return "attention"
     if any(s in n for s in ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas", "splitk")):
         return "gemm"
-    if any(s in n for s in ("_rms_norm", "_rope", "_glu", "_ce_", "cross_entropy", "_lce")):
+    if any(s in n for s in ("_rms_norm", "_rope", "_glu", "_ce_", "cross_entropy", "_lce",
+                            "_gather_rows")):
         return "triton"
     if "adam" in n or "foreach" in n or "multi_tensor" in n:
         return "optimizer"

@@ -54,8 +54,11 @@ def bench_ours(shape, batch, policy, warmup, steps, device):
         from leantune.model.fused_layer import LayerPlan
 
         L = len(trainer.model.layer_plans)
-        n = int(n_off.rstrip("k0"))
-        rest = LayerPlan(0) if n_off.endswith("k0") else LayerPlan(1)
+        inputs_only = n_off.endswith("k0")
+        n = int(n_off[:-2] if inputs_only else n_off)
+        if not 0 < n < L:
+            raise SystemExit(f"offload:{n_off}: N must be 1..{L - 1} for {L} layers")
+        rest = LayerPlan(0) if inputs_only else LayerPlan(1)
         trainer.model.set_layer_plans([LayerPlan(1, offload=True)] * n + [rest] * (L - n - 1)
                                       + [LayerPlan(1)])
     gpu_batch = batch.to(device)
@@ -98,8 +101,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", nargs="+", default=["llama-3.2-1b", "llama-3.1-8b"])
     ap.add_argument("--policies", nargs="+", default=["recompute"],
-                    help="leantune policies to time: recompute | offload | none | auto@GiB, "
-                         "+compile, +nofused")
+                    help="leantune policies to time: recompute | offload | none | auto@GiB | "
+                         "offload:N (the first N layers offloaded, the rest keep their attention "
+                         "state; offload:Nk0: their input), each optionally +compile, +nofused, "
+                         "+noembed (input embedding kept on the GPU)")
     ap.add_argument("--rows", type=int, default=4)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--warmup", type=int, default=3)

@@ -84,6 +84,16 @@ def mlp_chunk_working_bytes(cfg, tokens: int, itemsize: int = 2) -> int:
     return 3 * min(one, int(fused_layer.MLP_CHUNK_BYTES))
 
 
+def working_set_bytes(cfg, tokens: int, itemsize: int = 2, autograd: bool = False) -> float:
+    """GPU bytes a step needs beside weights, optimizer state and kept tensors (module
+    docstring): the fused path's working set, or the autograd path's."""
+    if autograd:
+        return (AUTOGRAD_HEADROOM_GIB * 2**30
+                + AUTOGRAD_HEADROOM_LAYERS * kept_bytes(cfg, tokens, 2, itemsize, True))
+    return (HEADROOM_GIB * 2**30 + HEADROOM_HIDDEN * itemsize * cfg.hidden_size * tokens
+            + mlp_chunk_working_bytes(cfg, tokens, itemsize))
+
+
 def host_memory_bytes(meminfo: str = "/proc/meminfo") -> int:
     """Host memory available to this run now (Linux MemAvailable: free plus reclaimable cache),
     else the machine's physical memory, else 0. Other processes' use (e.g. one per GPU on a
@@ -113,12 +123,9 @@ def plan_layers(cfg, tokens: int, budget_bytes: float, fixed_bytes: float,
     on the autograd path, which cannot offload) layers keep their input, or everything."""
     L = cfg.num_hidden_layers
     k0, k1, k2 = (kept_bytes(cfg, tokens, k, itemsize, autograd) for k in (0, 1, 2))
+    headroom = working_set_bytes(cfg, tokens, itemsize, autograd)
     if autograd:
-        headroom = AUTOGRAD_HEADROOM_GIB * 2**30 + AUTOGRAD_HEADROOM_LAYERS * k2
         host_bytes = 0
-    else:
-        headroom = (HEADROOM_GIB * 2**30 + HEADROOM_HIDDEN * itemsize * cfg.hidden_size * tokens
-                    + mlp_chunk_working_bytes(cfg, tokens, itemsize))
     host = host_memory_bytes() if host_bytes is None else host_bytes
     plans = [LayerPlan(keep=0)] * L
     free = budget_bytes - fixed_bytes - headroom - L * k0
@@ -154,17 +161,16 @@ def least_plan_bytes(cfg, tokens: int, itemsize: int = 2, autograd: bool = False
     working set): a budget below it will run out of memory."""
     L = cfg.num_hidden_layers
     k0 = kept_bytes(cfg, tokens, 0, itemsize)
+    headroom = working_set_bytes(cfg, tokens, itemsize, autograd)
     if autograd:
-        return int(AUTOGRAD_HEADROOM_GIB * 2**30 + AUTOGRAD_HEADROOM_LAYERS *
-                   kept_bytes(cfg, tokens, 2, itemsize, True) + L * k0)
+        return int(headroom + L * k0)
     kept = L * k0
     k1 = kept_bytes(cfg, tokens, 1, itemsize)
     host = host_memory_bytes() if host_bytes is None else host_bytes
     n_off = min(L - 1, offload_capacity(cfg, tokens, itemsize))
     if host >= 2 * L * k1 and n_off > 0:
         kept = min(kept, (L - n_off) * k0 + min(n_off, IN_FLIGHT_LAYERS) * k1)
-    return int(HEADROOM_GIB * 2**30 + HEADROOM_HIDDEN * itemsize * cfg.hidden_size * tokens
-               + mlp_chunk_working_bytes(cfg, tokens, itemsize) + kept)
+    return int(headroom + kept)
 
 
 def policy_plans(policy: str, num_layers: int) -> list[LayerPlan]:

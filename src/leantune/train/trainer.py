@@ -435,8 +435,11 @@ def _check_token_ids(data, vocab: int, what: str) -> None:
     table): one line naming the document otherwise."""
     for i in range(len(data)):
         ids = data[i][0]
-        if len(ids) and (max(ids) >= vocab or min(ids) < 0):
-            bad = max(ids) if max(ids) >= vocab else min(ids)
+        if not len(ids):
+            continue
+        hi, lo = max(ids), min(ids)
+        if hi >= vocab or lo < 0:
+            bad = hi if hi >= vocab else lo
             raise LeantuneError(
                 f"{what}: document {i} holds token id {bad}, outside the model's vocabulary "
                 f"(0..{vocab - 1}); the tokenizer does not match the model (check --model), or "

@@ -97,6 +97,25 @@ def packed_widths(M=8192, H=4096, inter=14336):
     record("packed_gemm_tflops", note="useful FLOPs (K = in) per second", **res)
 
 
+def sustained(M=8192, H=4096, inter=14336, seconds=3.0):
+    """The 8B gate/up GEMM in a short burst (20 calls) and held for `seconds`: the training
+    step keeps the GPU at full load, and a clock or power limit would show here as a lower
+    held rate than the burst's (run with nvidia-smi sampling the SM clock beside it)."""
+    res = {}
+    for kk in (H, H + 64):
+        x = torch.randn(M, kk, device=DEV, dtype=BF)
+        w = torch.randn(2 * inter, kk, device=DEV, dtype=BF)
+        out = torch.empty(M, 2 * inter, device=DEV, dtype=BF)
+        fl = 2 * M * 2 * inter * kk / 1e9
+        burst = timed(lambda: torch.mm(x, w.t(), out=out))
+        n = max(20, int(seconds * 1e3 / burst))
+        held = timed(lambda: torch.mm(x, w.t(), out=out), n=n)
+        res[f"K={kk} burst TFLOP/s"] = round(fl / burst, 1)
+        res[f"K={kk} held {n} calls TFLOP/s"] = round(fl / held, 1)
+        del x, w, out
+    record("sustained_gemm", note="all FLOPs of the product (K as given)", **res)
+
+
 def lora_products(M=8192, H=4096, inter=14336, r=16):
     """The rank-r side products of one layer's backward; GB/s of the big operand read."""
     res = {}
@@ -166,7 +185,8 @@ def triton_ops(M=8192, H=4096, inter=14336, chunk=2304):
     record("triton_ops", **res)
 
 
-PARTS = {"cudnn": "cudnn_ops", "packed": "packed_widths", "gemms": "gemms",
+PARTS = {"cudnn": "cudnn_ops", "packed": "packed_widths",
+         "sustained": "sustained", "gemms": "gemms",
          "lora": "lora_products", "copies": "copies", "triton": "triton_ops"}
 
 

@@ -17,11 +17,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from harness import hf_config, leantune_model, mean_ms, record  # noqa: E402
-from speed import random_batch  # noqa: E402
+from speed import make_trainer, random_batch  # noqa: E402
 
 from leantune.model.config import ModelConfig  # noqa: E402
-from leantune.train.config import TrainConfig  # noqa: E402
-from leantune.train.trainer import Trainer  # noqa: E402
 
 
 def category(name: str) -> str:
@@ -43,13 +41,7 @@ def category(name: str) -> str:
 def profile(shape, policy, tokens_rows, seq, device):
     mcfg = ModelConfig.from_dict(hf_config(shape).to_dict())
     batch = random_batch(mcfg.vocab_size, tokens_rows, seq)
-    base = leantune_model(shape, device)
-    cfg = TrainConfig(output=tempfile.mkdtemp(), max_seq_len=seq, batch_size=tokens_rows,
-                      lr=1e-4, warmup_steps=0, max_steps=10, progress=False, eval_every=0,
-                      lora_r=16, lora_alpha=16, overwrite=True, device=str(device),
-                      checkpointing=policy)
-    docs = [(batch.input_ids[0].tolist(), batch.labels[0].tolist())]
-    trainer = Trainer(cfg, model=base, train_data=docs, log=lambda *a: None)
+    trainer = make_trainer(shape, batch, policy, 10, device)
     b = batch.to(device)
     for _ in range(3):
         trainer.train_step([b])
@@ -66,7 +58,8 @@ def profile(shape, policy, tokens_rows, seq, device):
            peak_step_gib=round(torch.cuda.max_memory_allocated() / 2**30, 3))
     from torch.profiler import ProfilerActivity, profile as tprofile
     steps = 2
-    with tprofile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+    with tprofile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU],
+                  record_shapes=True) as prof:
         for _ in range(steps):
             trainer.train_step([b])
         torch.cuda.synchronize()
@@ -88,7 +81,8 @@ def profile(shape, policy, tokens_rows, seq, device):
     for name, ms in sorted(by_name.items(), key=lambda kv: -kv[1])[:25]:
         print(f"   {ms:8.2f} ms  x{count[name] // steps:4d}  {name}", flush=True)
     idle_gaps(prof, steps, shape, policy)
-    del trainer, base
+    gemm_table(prof, steps, shape, policy)
+    del trainer
     torch.cuda.empty_cache()
 
 
@@ -125,6 +119,32 @@ def idle_gaps(prof, steps, shape, policy, top=12):
            by_tenth_ms={k: round(v / 1e3 / steps, 2) for k, v in sorted(by_tenth.items())})
     for (a, b), us in sorted(by_pair.items(), key=lambda kv: -kv[1])[:top]:
         print(f"   idle {us / 1e3 / steps:7.2f} ms  after {a}  before {b}", flush=True)
+
+
+def gemm_table(prof, steps, shape, policy, top=16):
+    """Matmuls of the step by shape: calls and GPU ms per step and TFLOP/s, from the profiler's
+    ops grouped by input shape. Shows which products run below the GEMM ceiling."""
+    rows = []
+    for ev in prof.key_averages(group_by_input_shape=True):
+        if ev.key not in ("aten::mm", "aten::addmm", "aten::bmm"):
+            continue
+        shapes = [s for s in ev.input_shapes if s]
+        a, b = shapes[1:3] if ev.key == "aten::addmm" else shapes[:2]
+        if len(a) != 2 or len(b) != 2:
+            continue
+        (m, k), (_, n) = a, b
+        ms = getattr(ev, "device_time_total", None) or ev.cuda_time_total
+        ms = ms / 1e3 / steps
+        rows.append((ms, ev.key, m, k, n, ev.count // steps))
+    rows.sort(reverse=True)
+    out = {}
+    for ms, key, m, k, n, calls in rows[:top]:
+        rate = 2 * m * k * n * calls / (ms / 1e3) / 1e12 if ms else 0.0
+        print(f"   {ms:8.2f} ms  x{calls:4d}  {key:10s} [{m} x {k}] @ [{k} x {n}]  "
+              f"{rate:6.1f} TFLOP/s", flush=True)
+        out[f"{key} {m}x{k}x{n}"] = [calls, round(ms, 2), round(rate, 1)]
+    record("gemm_shapes", shape=shape, policy=policy,
+           total_ms=round(sum(r[0] for r in rows), 2), top=out)
 
 
 def gemm_rates(shape, tokens, device):
@@ -241,7 +261,8 @@ def attention_backends(device, B=4, T=2048, Hq=32, Hk=8, D=128):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", nargs="+", default=["llama-3.1-8b"])
-    ap.add_argument("--policies", nargs="+", default=["recompute"])
+    ap.add_argument("--policies", nargs="+", default=["recompute"],
+                    help="as bench/speed.py's (auto@GiB, offload:N, +keepall:M, ...)")
     ap.add_argument("--rows", type=int, default=4)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--no-ceilings", action="store_true")

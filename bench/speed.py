@@ -34,13 +34,16 @@ def random_batch(vocab: int, rows: int, seq: int, seed: int = 0) -> PackedBatch:
     return PackedBatch.from_documents(docs, pad_to_multiple=1)
 
 
-def bench_ours(shape, batch, policy, warmup, steps, device):
-    """policy: "recompute" | "offload" | "none" | "auto@GiB" (memory-budgeted), optionally
-    "+compile" and/or "+nofused" (autograd layers instead of the hand-written backward)."""
+def make_trainer(shape, batch, policy, steps, device):
+    """A Trainer for `policy`: "recompute" | "offload" | "none" | "auto@GiB" (memory-budgeted) |
+    "offload:N[k0]" (hand plan), optionally "+compile", "+nofused" (autograd layers instead of
+    the hand-written backward), "+noembed" (input embedding kept on the GPU), "+keepall:M"
+    (the last M layers keep everything, on top of the plan)."""
     base = leantune_model(shape, device)
     ckpt, *extras = policy.split("+")
     ckpt, _, budget = ckpt.partition("@")
     ckpt, _, n_off = ckpt.partition(":")  # "offload:N[k0]": the first N layers offloaded
+    keep_all = [int(e.partition(":")[2] or 1) for e in extras if e.startswith("keepall")]
     cfg = TrainConfig(output=tempfile.mkdtemp(), max_seq_len=batch.input_ids.shape[1],
                       batch_size=batch.input_ids.shape[0], lr=1e-4, warmup_steps=0,
                       max_steps=steps, progress=False, eval_every=0, lora_r=16, lora_alpha=16,
@@ -50,23 +53,34 @@ def bench_ours(shape, batch, policy, warmup, steps, device):
                       offload_embedding="noembed" not in extras)
     docs = [(batch.input_ids[0].tolist(), batch.labels[0].tolist())]
     trainer = Trainer(cfg, model=base, train_data=docs, log=lambda *a: None)
-    if n_off:  # hand-made plan: N layers offloaded, the rest keep attention state (or input)
-        from leantune.model.fused_layer import LayerPlan
+    from leantune.model.fused_layer import LayerPlan
 
-        L = len(trainer.model.layer_plans)
+    plans = list(trainer.model.layer_plans)
+    L = len(plans)
+    if n_off:  # hand-made plan: N layers offloaded, the rest keep attention state (or input)
         inputs_only = n_off.endswith("k0")
         n = int(n_off[:-2] if inputs_only else n_off)
         if not 0 < n < L:
             raise SystemExit(f"offload:{n_off}: N must be 1..{L - 1} for {L} layers")
         rest = LayerPlan(0) if inputs_only else LayerPlan(1)
-        trainer.model.set_layer_plans([LayerPlan(1, offload=True)] * n + [rest] * (L - n - 1)
-                                      + [LayerPlan(1)])
+        plans = [LayerPlan(1, offload=True)] * n + [rest] * (L - n - 1) + [LayerPlan(1)]
+    if keep_all:
+        plans = plans[:L - keep_all[0]] + [LayerPlan(2)] * keep_all[0]
+    if n_off or keep_all:
+        trainer.model.set_layer_plans(plans)
+    return trainer
+
+
+def bench_ours(shape, batch, policy, warmup, steps, device):
+    """Median step time and peak GiB of leantune's step under `policy` (make_trainer)."""
+    trainer = make_trainer(shape, batch, policy, steps, device)
     gpu_batch = batch.to(device)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     times = cuda_time(lambda: trainer.train_step([gpu_batch]), warmup, steps)
     peak = torch.cuda.max_memory_allocated() / 2**30
     print(f"{shape} {policy}: {trainer.checkpoint_policy}", flush=True)
+    del trainer
     torch.cuda.empty_cache()
     return median(times), peak
 
@@ -104,7 +118,8 @@ def main():
                     help="leantune policies to time: recompute | offload | none | auto@GiB | "
                          "offload:N (the first N layers offloaded, the rest keep their attention "
                          "state; offload:Nk0: their input), each optionally +compile, +nofused, "
-                         "+noembed (input embedding kept on the GPU)")
+                         "+noembed (input embedding kept on the GPU), +keepall:M (the last M "
+                         "layers keep everything)")
     ap.add_argument("--rows", type=int, default=4)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--warmup", type=int, default=3)

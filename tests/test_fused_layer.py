@@ -121,6 +121,46 @@ def test_frozen_lower_layers_keep_nothing():
     assert handles[0].gpu is None and handles[0].host is None  # and released it
 
 
+@pytest.mark.parametrize("offload", [False, True])
+def test_backward_frees_kept_tensors_as_it_goes(offload, monkeypatch):
+    """A layer's backward lets go of each kept tensor once it is done with it: by the attention
+    backward the kept gate/up and h_mid are gone (the memory planner counts on the gate/up of a
+    whole-kept layer being free before the layers below run), and the gradients are unchanged."""
+    import weakref
+
+    model = model_for(CONFIGS["llama"])
+    store = model.activation_store
+    kept_refs = []
+    put = store.put
+
+    def put_and_watch(tensors, off):
+        h = put(tensors, off)
+        kept_refs.append(h)
+        return h
+    store.put = put_and_watch
+    alive_at_attention = []
+    real = fused_layer.attention_backward
+
+    def watched(*args, **kw):
+        h = kept_refs.pop()  # backward runs top layer first: the last handle put
+        gpu = h.gpu if h.gpu is not None else {}
+        alive_at_attention.append({k for k in ("gu", "h_mid") if k in gpu}
+                                  | {k for k, r in refs.pop().items() if r() is not None})
+        return real(*args, **kw)
+
+    refs = []
+    get = store.get
+
+    def get_and_watch(h):
+        d = get(h)
+        refs.append({k: weakref.ref(d[k]) for k in ("gu", "h_mid")})
+        return d
+    store.get = get_and_watch
+    monkeypatch.setattr(fused_layer, "attention_backward", watched)
+    check(model, [LayerPlan(2, offload=offload)] * 3)
+    assert alive_at_attention == [set(), set(), set()]
+
+
 def test_pinned_pool_reuses_best_fit_and_stays_bounded(monkeypatch):
     from leantune.model import activation_store as st
 

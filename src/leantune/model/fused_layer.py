@@ -484,22 +484,27 @@ class LayerRun:
         x2 = kept["x"]
         keep = self.plan.keep
         inter = self.layer.mlp.up_proj.out_features
+        # Kept tensors leave `kept` (the store's dict) as they are taken, so each is freed as
+        # soon as this backward is done with it (gate/up after the MLP, h_mid after its norm),
+        # not when the whole layer is released: the rest of the layer runs in less memory.
         if keep == 0:
             X1, rstd1, qkv, out4, aux = self._attention(x2, self.shape, True)
             h_mid = self.o.project(out4.reshape(N, -1), resid=x2)
         else:
             X1, rstd1 = self._normed("input_layernorm", x2, self.qkv)
-            qkv, h_mid = kept["qkv"], kept["h_mid"]
+            qkv, h_mid = kept.pop("qkv"), kept.pop("h_mid")
             aux = self.aux
         q4, k4, v4 = self._split_qkv(qkv, self.shape)
         if keep != 0:
-            out4 = kept["attn"].view(q4.shape)
+            out4 = kept.pop("attn").view(q4.shape)
+        kept_gu = kept.pop("gu", None)
 
         # MLP: out = h_mid + down(act(gate(xn2)) * up(xn2))
         X2, rstd2 = self._normed("post_attention_layernorm", h_mid, self.gu)
         dxn2 = torch.empty_like(h_mid)
         for rows in self._chunks(N, keep >= 2, dout.element_size()):
-            gu = kept["gu"] if keep >= 2 else self.gu.project(X2[rows])
+            gu = kept_gu if keep >= 2 else self.gu.project(X2[rows])
+            kept_gu = None
             da, ga = self.down.input_grad(dout[rows])
             # gate, up <- d gate, d up in place; da <- act(gate) * up, the down projection's input
             glu_bwd_(da, gu[:, :inter], gu[:, inter:], self.act, h_out=da)

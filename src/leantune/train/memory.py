@@ -11,14 +11,22 @@ Sizes per token per layer, bf16 (exact: these are the tensors the fused layer ke
     input   2 * hidden
     keep 1  + 2 * (hidden + 2 * q_size + 2 * kv_size)       (h_mid, attention out, q, k, v)
     keep 2  + 2 * 2 * intermediate                         (gate, up)
-The working set on top (a layer's backward: row-chunked MLP, a few [tokens, hidden] buffers, two
-layers' offloaded state in flight, the fused cross-entropy chunk, allocator slack) is
+
+A plan's peak (plan_peak_bytes) is the largest of the step's phases, not the sum of everything
+a plan keeps: the forward of layer i holds what the layers below keep on the GPU, up to two
+offloaded layers' copies in flight and a layer's working set; the loss holds everything kept
+plus the fused cross-entropy's chunk; the backward of layer i holds what the layers below keep,
+its own state (reloaded, if offloaded), the next layer's state being prefetched, and the working
+set, less the gate/up it kept (it backpropagates through them instead of recomputing them). The
+working set (a layer's row-chunked MLP, a few [tokens, hidden] buffers, allocator slack) is
 HEADROOM_GIB + HEADROOM_HIDDEN [tokens, hidden] tensors + the MLP chunk's three [rows,
-intermediate] tensors.
+intermediate] tensors. Measured on an H200 (Llama-3.1-8B, 8192 tokens, offload): 0.2 GiB below
+the model in backward and 0.15 GiB below it at the loss with the last two layers kept whole.
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -27,9 +35,9 @@ from ..model.activation_store import IN_FLIGHT_LAYERS
 from ..model.fused_layer import LayerPlan
 
 # Measured on an H200 (offload, 4 x 2048 tokens): the working set above weights, optimizer state
-# and kept tensors peaked at 0.86 GiB for Llama-3.1-8B and 0.48 GiB for Llama-3.2-1B; this model
-# gives 1.11 / 0.70 GiB.
-HEADROOM_GIB = 0.2
+# (LoRA grads included) and kept tensors peaked at 0.91 GiB for Llama-3.1-8B (its backward:
+# bench/memory_peak.py) and ~0.5 GiB for Llama-3.2-1B; this model gives 1.01 / 0.60 GiB.
+HEADROOM_GIB = 0.1
 HEADROOM_HIDDEN = 4
 # The host link bounds offloading: when layers' state takes longer to copy than the forward takes
 # to compute, the forward waits for the copies. Rates measured on an H200: pinned copies each way
@@ -111,66 +119,102 @@ def host_memory_bytes(meminfo: str = "/proc/meminfo") -> int:
         return 0
 
 
+def loss_working_bytes(cfg, tokens: int, itemsize: int = 2) -> float:
+    """GPU bytes the loss needs beside kept tensors: the fused cross-entropy's logits chunk
+    (kernels/cross_entropy.CHUNK_BYTES on CUDA), the final norm's output, the hidden states'
+    gradient, slack."""
+    from ..kernels.cross_entropy import CHUNK_BYTES
+
+    chunk = min(CHUNK_BYTES["cuda"], tokens * cfg.vocab_size * itemsize)
+    return HEADROOM_GIB * 2**30 + HEADROOM_HIDDEN * itemsize * cfg.hidden_size * tokens + chunk
+
+
+def plan_peak_bytes(cfg, tokens: int, plans: list[LayerPlan], itemsize: int = 2,
+                    autograd: bool = False) -> float:
+    """GPU bytes beside weights and optimizer state at the step's peak under `plans`: the
+    largest phase (module docstring). On the autograd path every layer's saved tensors live to
+    the end of the forward, so it is all that is kept plus its working set."""
+    kept = [kept_bytes(cfg, tokens, p.keep, itemsize, autograd) for p in plans]
+    gpu = [0 if p.offload else k for p, k in zip(plans, kept)]
+    ws = working_set_bytes(cfg, tokens, itemsize, autograd)
+    if autograd:
+        return sum(gpu) + ws
+    gate_up = kept_bytes(cfg, tokens, 2, itemsize) - kept_bytes(cfg, tokens, 1, itemsize)
+
+    def in_flight(i):  # offloaded layers' copies that may still be under way at layer i
+        return sum(kept[j] for j in range(max(0, i - IN_FLIGHT_LAYERS), i) if plans[j].offload)
+
+    peak, below = 0.0, 0
+    for i, p in enumerate(plans):
+        forward = below + in_flight(i) + ws
+        prefetch = kept[i - 1] if i > 0 and plans[i - 1].offload else 0
+        backward = below + kept[i] + prefetch + ws - (gate_up if p.keep == 2 else 0)
+        peak = max(peak, forward, backward)
+        below += gpu[i]
+    loss = below + in_flight(len(plans)) + loss_working_bytes(cfg, tokens, itemsize)
+    return max(peak, loss)
+
+
+def _offloads(cfg, tokens: int, itemsize: int, host_bytes: float | None) -> int:
+    """How many first layers offloading may take: what the host link carries, where the host has
+    room (leaving it half its memory); never the last layer (needed right after the forward)."""
+    L = cfg.num_hidden_layers
+    host = host_memory_bytes() if host_bytes is None else host_bytes
+    if host < 2 * L * kept_bytes(cfg, tokens, 1, itemsize):
+        return 0
+    return max(0, min(L - 1, offload_capacity(cfg, tokens, itemsize)))
+
+
 def plan_layers(cfg, tokens: int, budget_bytes: float, fixed_bytes: float,
                 host_bytes: float | None = None, itemsize: int = 2,
                 autograd: bool = False) -> list[LayerPlan]:
-    """Per layer, the fastest LayerPlan whose GPU memory fits `budget_bytes` beside
+    """Per layer, the fastest LayerPlan whose peak (plan_peak_bytes) fits `budget_bytes` beside
     `fixed_bytes` (weights, optimizer state). The first layers offload their attention state, as
-    many as the host link takes (offload_capacity); the later ones keep it on the GPU, or only
-    their input where that does not fit (the last layer's is needed right after the forward);
-    then layers keep everything on the GPU from the last layer backwards while it fits (the
-    last layers' tensors are needed first in backward). Without host memory for offloading (or
-    on the autograd path, which cannot offload) layers keep their input, or everything."""
+    many as the host link takes (offload_capacity), unless that needs more memory than keeping
+    inputs and the budget is too small for it; the later ones keep their attention state on the
+    GPU, or only their input where that does not fit; then layers keep everything on the GPU
+    from the last layer backwards while it fits (the last layers' tensors are needed first in
+    backward, and they free gate/up before the layers below run). Without host memory for
+    offloading (or on the autograd path, which cannot offload) layers keep their input, or
+    everything."""
     L = cfg.num_hidden_layers
-    k0, k1, k2 = (kept_bytes(cfg, tokens, k, itemsize, autograd) for k in (0, 1, 2))
-    headroom = working_set_bytes(cfg, tokens, itemsize, autograd)
-    if autograd:
-        host_bytes = 0
-    host = host_memory_bytes() if host_bytes is None else host_bytes
+    room = budget_bytes - fixed_bytes
+
+    def peak(ps):
+        return plan_peak_bytes(cfg, tokens, ps, itemsize, autograd)
+
     plans = [LayerPlan(keep=0)] * L
-    free = budget_bytes - fixed_bytes - headroom - L * k0
-    n_off = min(L - 1, offload_capacity(cfg, tokens, itemsize))
-    # offloaded layers hold nothing on the GPU, but up to two layers' copies are in flight
-    off_delta = n_off * k0 - min(n_off, IN_FLIGHT_LAYERS) * k1
-    # offload (faster than recomputing) where the host has room (leaving it half its memory),
-    # unless it would take more GPU memory than keeping inputs and that would not fit
-    can_offload = (host >= 2 * L * k1 and n_off > 0
-                   and (off_delta >= 0 or free + off_delta >= 0))
-    if can_offload:
-        plans = [LayerPlan(keep=1, offload=True)] * n_off + plans[n_off:]
-        free += off_delta
-        for i in reversed(range(n_off, L)):
-            if free < k1 - k0:
-                break
-            free -= k1 - k0
-            plans[i] = LayerPlan(keep=1)
+    n_off = 0 if autograd else _offloads(cfg, tokens, itemsize, host_bytes)
+    if n_off:
+        offload = [LayerPlan(keep=1, offload=True)] * n_off + plans[n_off:]
+        if peak(offload) <= max(room, peak(plans)):
+            plans = offload
+            for i in reversed(range(n_off, L)):
+                trial = plans[:i] + [LayerPlan(keep=1)] + plans[i + 1:]
+                if peak(trial) > room:
+                    break
+                plans = trial
     for i in reversed(range(L)):
-        cost = k2 - (0 if plans[i].offload else kept_bytes(cfg, tokens, plans[i].keep, itemsize,
-                                                            autograd))
-        if free < cost:
+        trial = plans[:i] + [LayerPlan(keep=2)] + plans[i + 1:]
+        if peak(trial) > room:
             break
-        free -= cost
-        plans[i] = LayerPlan(keep=2)
+        plans = trial
     return plans
 
 
 def least_plan_bytes(cfg, tokens: int, itemsize: int = 2, autograd: bool = False,
                      host_bytes: float | None = None) -> int:
     """GPU bytes beside weights and optimizer state that the leanest plan `plan_layers` can make
-    needs (layers keep their input, or offload their state where the host has room, plus the
-    working set): a budget below it will run out of memory."""
+    needs (layers keep their input, or offload their state where the host has room): a budget
+    below it will run out of memory."""
     L = cfg.num_hidden_layers
-    k0 = kept_bytes(cfg, tokens, 0, itemsize)
-    headroom = working_set_bytes(cfg, tokens, itemsize, autograd)
-    if autograd:
-        return int(headroom + L * k0)
-    kept = L * k0
-    k1 = kept_bytes(cfg, tokens, 1, itemsize)
-    host = host_memory_bytes() if host_bytes is None else host_bytes
-    n_off = min(L - 1, offload_capacity(cfg, tokens, itemsize))
-    if host >= 2 * L * k1 and n_off > 0:
-        kept = min(kept, (L - n_off) * k0 + min(n_off, IN_FLIGHT_LAYERS) * k1)
-    return int(headroom + kept)
+    inputs = [LayerPlan(keep=0)] * L
+    least = plan_peak_bytes(cfg, tokens, inputs, itemsize, autograd)
+    n_off = 0 if autograd else _offloads(cfg, tokens, itemsize, host_bytes)
+    if n_off:
+        offload = [LayerPlan(keep=1, offload=True)] * n_off + inputs[n_off:]
+        least = min(least, plan_peak_bytes(cfg, tokens, offload, itemsize))
+    return math.ceil(least)
 
 
 def policy_plans(policy: str, num_layers: int) -> list[LayerPlan]:

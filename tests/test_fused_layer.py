@@ -94,14 +94,30 @@ def test_unsupported_layers_fall_back():
     assert dropout.fused_unsupported() == "LoRA dropout"
 
 
-def test_bf16_close_to_autograd():
-    model = model_for(CONFIGS["llama"]).to(torch.bfloat16)
-    for n, p in model.named_parameters():
-        if "lora_" in n:
-            p.data = p.data.float()
-    # bf16: the fused path rounds at other points (residual adds inside the GEMMs)
-    check(model, [LayerPlan(0), LayerPlan(1), LayerPlan(2)], rtol=0.05, atol=2e-3,
-          loss_rtol=5e-3)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_bf16_as_accurate_as_autograd(seed):
+    """In bf16 the fused path rounds at other points than autograd (residual adds and the LoRA
+    term inside the GEMMs, ga from the input-gradient GEMM), so element-wise they differ by
+    bf16 noise; measured against the fp32 model both are equally close (relative norm error of
+    the LoRA grads ~1.0-1.6% at these tiny shapes, within 10% of each other)."""
+    def bf16_model():
+        m = model_for(CONFIGS["llama"], seed=seed).to(torch.bfloat16)
+        for n, p in m.named_parameters():
+            if "lora_" in n:
+                p.data = p.data.float()
+        return m
+
+    batch = packed_batch()
+    true_loss, true_grads = loss_and_grads(model_for(CONFIGS["llama"], seed=seed), batch)
+    ref_loss, ref_grads = loss_and_grads(bf16_model(), batch)
+    model = bf16_model()
+    model.set_layer_plans([LayerPlan(0), LayerPlan(1), LayerPlan(2)])
+    loss, grads = loss_and_grads(model, batch)
+
+    def err(g):
+        return float((g.float() - true_grads).norm() / true_grads.norm())
+    assert err(grads) <= 1.25 * err(ref_grads) + 1e-3, (err(grads), err(ref_grads))
+    assert abs(float(loss) - float(true_loss)) <= 2 * abs(float(ref_loss) - float(true_loss)) + 5e-3
 
 
 def test_frozen_lower_layers_keep_nothing():

@@ -29,7 +29,11 @@ per projection (x: input, W: [out, in], A: [r, in], B: [out, r], s: scaling):
 Projections that share an input (q/k/v; gate/up) concatenate their A's: one x A^T and one
 ga A product for all of them. With packed weights (PACK_PROJECTIONS, below) q/k/v, gate/up and
 down are one GEMM each with the LoRA term inside it; the residual adds ride in the GEMMs (addmm)
-and in the RMSNorm backward.
+and in the RMSNorm backward. In backward the same packed weight gives dx and ga from one GEMM
+(dy [W | s B] = [dy W | ga]), q/k/v's gradients sit side by side for it, and from keep 1 on the
+x A^T products come from the forward (kept: R columns per group), so the rank-r side products
+read the large [N, intermediate] tensors as few times as they can. Kept tensors are let go as
+soon as backward is done with them (gate/up after the MLP), not when the layer ends.
 
 Used when a layer qualifies (`fused_unsupported` says why not: trainable base weights, LoRA
 dropout, q/k norm); otherwise the model falls back to autograd (+ torch.utils.checkpoint).
@@ -262,10 +266,25 @@ class _Group:
             X[:, self.in_f + self.R:].zero_()  # times the weight's zero columns: no NaN from
         return X                                # uninitialised memory
 
-    def fill_lora(self, X: torch.Tensor) -> None:
-        """X[:, in:] = X[:, :in] @ A_cat^T (packed groups with LoRA; nothing otherwise)."""
-        if self.lora_in_gemm and self.R:
-            torch.mm(X[:, :self.in_f], self.a.t(), out=X[:, self.in_f:self.in_f + self.R])
+    @property
+    def has_lora_cols(self) -> bool:
+        """Whether input buffers carry x A_cat^T (packed with LoRA columns)."""
+        return bool(self.lora_in_gemm and self.R)
+
+    def lora_cols(self, X: torch.Tensor) -> torch.Tensor | None:
+        """The x A_cat^T columns [n, R] of an input buffer (has_lora_cols), else None."""
+        return X[:, self.in_f:self.in_f + self.R] if self.has_lora_cols else None
+
+    def fill_lora(self, X: torch.Tensor, xa: torch.Tensor | None = None) -> None:
+        """X[:, in:] = X[:, :in] @ A_cat^T, or a copy of `xa` (that product, kept from the
+        forward: backward then need not read X again for it). Packed groups with LoRA only."""
+        cols = self.lora_cols(X)
+        if cols is None:
+            return
+        if xa is not None:
+            cols.copy_(xa)
+        else:
+            torch.mm(X[:, :self.in_f], self.a.t(), out=cols)
 
     def project(self, X: torch.Tensor, resid: torch.Tensor | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
@@ -307,10 +326,26 @@ class _Group:
         return y
 
     # --- backward ----------------------------------------------------------------------------
+    def grad_width(self) -> int:
+        """Columns of the buffer input_grad writes dx into for one [n, sum out] gradient: the
+        packed width where one GEMM over the whole packed weight gives dx and ga together (see
+        input_grad), else in."""
+        return self.packed.shape[1] if self.has_lora_cols else self.in_f
+
     def input_grad(self, dys, out: torch.Tensor | None = None, need_dx: bool = True):
         """dys: [n, sum out] or per-projection list -> (dx [n, in] = sum_i dy_i W_i + ga A_cat
-        (into `out`; None without need_dx), ga [n, R] = s dy_i B_i side by side, or None)."""
+        (into `out`, [n, grad_width()] for one tensor dys; None without need_dx), ga [n, R] = s dy_i B_i side by side,
+        or None).
+
+        Packed with LoRA columns, dy @ [W | s B] = [dy W | s dy B] is dx and ga from one GEMM
+        (K = sum out): ga needs no pass of its own over dy. dx and ga are then column views
+        of one [n, packed width] buffer."""
         parts = self.split(dys)
+        if need_dx and self.has_lora_cols and not isinstance(dys, (list, tuple)):
+            wide = torch.mm(dys, self.packed, out=out)
+            dx, ga = wide[:, :self.in_f], wide[:, self.in_f:self.in_f + self.R]
+            dx.addmm_(ga, self.a)
+            return dx, ga
         ga = None
         if self.a is not None:
             gas = []
@@ -351,8 +386,8 @@ class _Group:
 
     def backward(self, X: torch.Tensor, dys, grads: dict, out: torch.Tensor | None = None,
                  need_dx: bool = True) -> torch.Tensor | None:
-        """Input gradient (into `out`; None without need_dx) and LoRA grads for input X (a
-        new_input buffer after fill_lora, or [n, in])."""
+        """Input gradient (into `out`, [n, grad_width()] for one tensor dys; None without need_dx) and LoRA grads
+        for input X (a new_input buffer after fill_lora, or [n, in])."""
         dx, ga = self.input_grad(dys, out, need_dx)
         xa = X[:, self.in_f:self.in_f + self.R] if self.R and X.shape[1] > self.in_f else None
         self.lora_grads(X[:, :self.in_f], dys, ga, grads, xa)
@@ -398,12 +433,14 @@ class LayerRun:
                 _Group([m.gate_proj, m.up_proj], dtype, pack=True),
                 _Group([m.down_proj], dtype, pack=True))
 
-    def _normed(self, which: str, x2: torch.Tensor, group: _Group):
-        """norm(x2) in a new input buffer of `group`, x A^T filled in -> (X, rstd)."""
+    def _normed(self, which: str, x2: torch.Tensor, group: _Group,
+                xa: torch.Tensor | None = None):
+        """norm(x2) in a new input buffer of `group`, x A^T filled in (computed, or copied from
+        `xa` kept by the forward) -> (X, rstd)."""
         n = getattr(self.layer, which)
         X = group.new_input(x2.shape[0], x2)
         _, rstd = rms_norm_fwd(x2, n.weight, n.eps, n.offset, out=X[:, :x2.shape[1]])
-        group.fill_lora(X)
+        group.fill_lora(X, xa)
         return X, rstd
 
     def _split_qkv(self, qkv: torch.Tensor, shape):
@@ -445,23 +482,34 @@ class LayerRun:
         self.qkv, self.o, self.gu, self.down = self._groups(x.dtype)
         self.act = _act_code(self.layer.mlp.act)
         inter = self.layer.mlp.up_proj.out_features
-        _, _, qkv, out4, aux = self._attention(x2, x.shape)
+        X1, _, qkv, out4, aux = self._attention(x2, x.shape)
         attn2 = out4.reshape(B * T, -1)  # [N, Hq * D] (a copy only if attention returned a view)
         h_mid = self.o.project(attn2, resid=x2)
         keep = self.plan.keep
         X2, _ = self._normed("post_attention_layernorm", h_mid, self.gu)
         out = torch.empty_like(h_mid)
+        # from keep 1 on, the LoRA input products x A^T of q/k/v, gate/up and down (R columns
+        # each, ~0.5% of the kept bytes) are kept, so backward does not read the inputs for them
+        xa_down = (x2.new_empty(B * T, self.down.R)
+                   if keep >= 1 and self.down.has_lora_cols else None)
         for rows in self._chunks(B * T, keep >= 2, x.element_size(), forward=True):
             gu = self.gu.project(X2[rows])  # [n, 2 I]: gate | up
             Hb = self.down.new_input(gu.shape[0], gu)
             glu_fwd(gu[:, :inter], gu[:, inter:], self.act, out=Hb[:, :inter])
             self.down.fill_lora(Hb)
+            if xa_down is not None:
+                xa_down[rows] = self.down.lora_cols(Hb)
             self.down.project(Hb, resid=h_mid[rows], out=out[rows])
             del Hb
         kept = {"x": x2}
         if keep >= 1:
             kept.update(h_mid=h_mid, qkv=qkv, attn=attn2)
             self.aux = aux  # attention log-sum-exp (fp32, [Hq, N]) and rng state: small, stays
+            for name, cols in (("xa1", self.qkv.lora_cols(X1)), ("xa2", self.gu.lora_cols(X2)),
+                               ("xa_down", xa_down)):
+                if cols is not None:
+                    kept[name] = cols.contiguous()  # not a view: X1/X2 are freed
+        del X1, X2
         if keep >= 2:
             kept.update(gu=gu)
         if not self.in_graph:
@@ -491,7 +539,7 @@ class LayerRun:
             X1, rstd1, qkv, out4, aux = self._attention(x2, self.shape, True)
             h_mid = self.o.project(out4.reshape(N, -1), resid=x2)
         else:
-            X1, rstd1 = self._normed("input_layernorm", x2, self.qkv)
+            X1, rstd1 = self._normed("input_layernorm", x2, self.qkv, kept.pop("xa1", None))
             qkv, h_mid = kept.pop("qkv"), kept.pop("h_mid")
             aux = self.aux
         q4, k4, v4 = self._split_qkv(qkv, self.shape)
@@ -500,18 +548,22 @@ class LayerRun:
         kept_gu = kept.pop("gu", None)
 
         # MLP: out = h_mid + down(act(gate(xn2)) * up(xn2))
-        X2, rstd2 = self._normed("post_attention_layernorm", h_mid, self.gu)
-        dxn2 = torch.empty_like(h_mid)
+        X2, rstd2 = self._normed("post_attention_layernorm", h_mid, self.gu, kept.pop("xa2", None))
+        xa_down = kept.pop("xa_down", None)
+        # d norm2(h_mid), in a buffer as wide as the gate/up group's input-gradient GEMM writes
+        dxn2 = h_mid.new_empty(N, self.gu.grad_width())
         for rows in self._chunks(N, keep >= 2, dout.element_size()):
             gu = kept_gu if keep >= 2 else self.gu.project(X2[rows])
             kept_gu = None
             da, ga = self.down.input_grad(dout[rows])
             # gate, up <- d gate, d up in place; da <- act(gate) * up, the down projection's input
             glu_bwd_(da, gu[:, :inter], gu[:, inter:], self.act, h_out=da)
-            self.down.lora_grads(da, dout[rows], ga, grads)
+            self.down.lora_grads(da, dout[rows], ga, grads,
+                                 None if xa_down is None else xa_down[rows])
             del da, ga
             self.gu.backward(X2[rows], gu, grads, out=dxn2[rows])
             del gu
+        dxn2 = dxn2[:, :H]
         post = self.layer.post_attention_layernorm
         dh_mid = rms_norm_bwd(dxn2, h_mid, post.weight, rstd2, post.offset, residual=dout)
         del dxn2, X2, h_mid
@@ -522,11 +574,15 @@ class LayerRun:
         dq, dk, dv = attention_backward(dattn.view(out4.shape), q4, k4, v4, out4, aux,
                                         self.meta, at.window, at.scale)
         del dattn, qkv, q4, k4, v4, out4, aux
-        dq, dk, dv = dq.contiguous(), dk.contiguous(), dv.contiguous()
-        rope_(dq, dk, self.cos, self.sin, inverse=True)
-        dxn1 = self.qkv.backward(X1, [dq.view(N, -1), dk.view(N, -1), dv.view(N, -1)], grads,
-                                 need_dx=need_dx)
+        # d q | d k | d v side by side: the q/k/v group's input gradient is one GEMM
+        dqkv = dq.new_empty(N, sum(self.qkv.outs))
+        for dst, src in zip(self._split_qkv(dqkv, self.shape), (dq, dk, dv)):
+            dst.copy_(src)
         del dq, dk, dv
+        dq4, dk4, _ = self._split_qkv(dqkv, self.shape)
+        rope_(dq4, dk4, self.cos, self.sin, inverse=True)
+        dxn1 = self.qkv.backward(X1, dqkv, grads, need_dx=need_dx)
+        del dqkv, dq4, dk4
         dx = None
         if need_dx:  # not for the first layer: its input is the (frozen) embedding
             norm = self.layer.input_layernorm

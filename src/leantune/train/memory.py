@@ -11,6 +11,8 @@ Sizes per token per layer, bf16 (exact: these are the tensors the fused layer ke
     input   2 * hidden
     keep 1  + 2 * (hidden + 2 * q_size + 2 * kv_size)       (h_mid, attention out, q, k, v)
     keep 2  + 2 * 2 * intermediate                         (gate, up)
+From keep 1 on a layer also keeps its LoRA input products x A^T (2 * 6 r per token: 0.5% of
+keep 1 at r = 16), left to the working set's slack.
 
 A plan's peak (plan_peak_bytes) is the largest of the step's phases, not the sum of everything
 a plan keeps: the forward of layer i holds what the layers below keep on the GPU, up to two

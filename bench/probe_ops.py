@@ -176,16 +176,6 @@ def triton_ops(M=8192, H=4096, inter=14336, chunk=2304):
         glu_bwd_(da, g2, u2, ACTS["silu"])
     copy_ms = timed(lambda: (g2.copy_(g), u2.copy_(u)))
     res["glu_bwd_ chunk ms"] = round(timed(bwd) - copy_ms, 4)
-    # the down projection's LoRA term of the input gradient: its own pass, or inside the kernel
-    ga = torch.randn(chunk, 16, device=DEV, dtype=BF)
-    a = torch.randn(16, inter, device=DEV, dtype=BF) * 0.1
-    res["addmm_ ga@A chunk ms"] = round(timed(lambda: da.addmm_(ga, a)), 4)
-
-    def bwd_lowrank():
-        g2.copy_(g)
-        u2.copy_(u)
-        glu_bwd_(da, g2, u2, ACTS["silu"], lowrank=(ga, a))
-    res["glu_bwd_ lowrank chunk ms"] = round(timed(bwd_lowrank) - copy_ms, 4)
     x = torch.randn(M, H, device=DEV, dtype=BF)
     w = torch.randn(H, device=DEV, dtype=BF)
     y, rstd = rms_norm_fwd(x, w, 1e-5, 0.0)

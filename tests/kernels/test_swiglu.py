@@ -117,39 +117,3 @@ def test_plain_functions_reject_strided_columns():
     g = torch.randn(4, 6)
     with pytest.raises(ValueError, match="contiguous columns"):
         glu_fwd(g[:, ::2], g[:, 1::2], 0)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name", ["silu", "gelu_tanh"])
-@pytest.mark.parametrize("rows,inter,r", [(37, 150, 16), (1, 1, 3), (33, 129, 20)])
-def test_glu_bwd_adds_a_low_rank_term(dtype, name, rows, inter, r):
-    """glu_bwd_(lowrank=(ga, A)) back-propagates dy + ga @ A (the fused layer's down projection
-    input gradient with its LoRA term not yet added): ga a column view of a wider buffer, rows
-    and columns not multiples of the tile, r not a power of two."""
-    from leantune.kernels.swiglu import ACTS as CODES, glu_bwd_
-
-    act = CODES[name.replace("_none", "")]
-    gu0 = (torch.randn(rows, 2 * inter) * 3).to(dtype)
-    wide = torch.randn(rows, inter + r + 5, dtype=dtype)  # [dy | ga | padding] as one buffer
-    dy0, ga = wide[:, :inter], wide[:, inter:inter + r]
-    a_mat = (torch.randn(r, inter) * 0.3).to(dtype)
-    g_ref = gu0[:, :inter].float().requires_grad_()
-    u_ref = gu0[:, inter:].float().requires_grad_()
-    with kernels.backend("reference"):
-        h_ref = _op(name, g_ref, u_ref)
-    full_dy = dy0.float() + ga.float() @ a_mat.float()
-    dg_ref, du_ref = torch.autograd.grad(h_ref, (g_ref, u_ref), full_dy)
-    rtol, atol = TOL[dtype] if dtype != torch.float32 else (1e-5, 5e-5)
-    for backend in ("triton", "reference"):
-        with kernels.backend(backend):
-            gu, buf = gu0.clone(), wide.clone()
-            dy = buf[:, :inter]
-            glu_bwd_(dy, gu[:, :inter], gu[:, inter:], act, h_out=dy,
-                     lowrank=(buf[:, inter:inter + r], a_mat))
-            torch.testing.assert_close(gu[:, :inter].float(), dg_ref, rtol=rtol, atol=atol)
-            torch.testing.assert_close(gu[:, inter:].float(), du_ref, rtol=rtol, atol=atol)
-            torch.testing.assert_close(dy.float(), h_ref.detach(), rtol=rtol, atol=atol)
-            assert torch.equal(buf[:, inter:], wide[:, inter:])  # ga and padding untouched
-    with pytest.raises(ValueError, match="lowrank"):
-        glu_bwd_(dy0.clone(), gu0[:, :inter].clone(), gu0[:, inter:].clone(), act,
-                 lowrank=(ga, a_mat[:, :-1] if inter > 1 else a_mat[:-1]))

@@ -119,45 +119,6 @@ if triton is not None:
         if WRITE_H:
             tl.store(H + row * stride_h + offs, (a * u).to(H.dtype.element_ty), mask=mask)
 
-    @triton.jit
-    def _glu_bwd_lowrank_kernel(DY, G, U, H, GA, A, n, cols, r, stride_dy, stride_g, stride_u,
-                                stride_h, stride_ga, stride_a, ACT: tl.constexpr,
-                                BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
-                                WRITE_H: tl.constexpr, IEEE: tl.constexpr):
-        """As _glu_bwd_rows_kernel over a [BM, BN] tile, with dy + GA @ A in place of dy (GA
-        [n, r], A [r, cols]; r <= BR): the rank-r term of the input gradient is added here, in
-        fp32, instead of by a pass of its own over dy. A's [BR, BN] tile is read once per BM
-        rows."""
-        rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
-        offs = tl.program_id(1) * BN + tl.arange(0, BN)
-        ks = tl.arange(0, BR)
-        rmask = rows < n
-        mask = rmask[:, None] & (offs < cols)[None, :]
-        # in fp32: bf16/fp16 values are exact in tf32, so the tensor-core product is exact and
-        # accumulates in fp32; fp32 inputs take the full-precision ("ieee") product
-        ga = tl.load(GA + rows[:, None] * stride_ga + ks[None, :],
-                     mask=rmask[:, None] & (ks < r)[None, :], other=0.0).to(tl.float32)
-        a_t = tl.load(A + ks[:, None] * stride_a + offs[None, :],
-                      mask=(ks < r)[:, None] & (offs < cols)[None, :], other=0.0).to(tl.float32)
-        if IEEE:
-            low = tl.dot(ga, a_t, input_precision="ieee")
-        else:
-            low = tl.dot(ga, a_t, input_precision="tf32")
-        dy = tl.load(DY + rows[:, None] * stride_dy + offs[None, :], mask=mask,
-                     other=0.0).to(tl.float32) + low
-        g = tl.load(G + rows[:, None] * stride_g + offs[None, :], mask=mask,
-                    other=0.0).to(tl.float32)
-        u = tl.load(U + rows[:, None] * stride_u + offs[None, :], mask=mask,
-                    other=0.0).to(tl.float32)
-        a, da = _act_and_grad(g, ACT)
-        tl.store(G + rows[:, None] * stride_g + offs[None, :],
-                 (dy * u * da).to(G.dtype.element_ty), mask=mask)
-        tl.store(U + rows[:, None] * stride_u + offs[None, :],
-                 (dy * a).to(U.dtype.element_ty), mask=mask)
-        if WRITE_H:
-            tl.store(H + rows[:, None] * stride_h + offs[None, :],
-                     (a * u).to(H.dtype.element_ty), mask=mask)
-
 
 def _flat(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """(contiguous tensor, whether it is a copy made here)."""
@@ -266,43 +227,20 @@ def glu_fwd(gate: torch.Tensor, up: torch.Tensor, act: int,
     return out
 
 
-# tile of the low-rank variant: rows x columns per program (A's tile is read once per BM rows)
-_LR_BM, _LR_BN, _LR_WARPS = 32, 128, 4
-
-
 def glu_bwd_(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int,
-             h_out: torch.Tensor | None = None,
-             lowrank: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+             h_out: torch.Tensor | None = None) -> None:
     """Backward of glu_fwd IN PLACE: gate <- d gate, up <- d up ([n, I], rows may be strided).
 
     With `h_out` also writes the forward value act(gate) * up there (bit-identical to glu_fwd),
-    so a backward that needs it does not run glu_fwd first; h_out may be dy itself.
-    With `lowrank` = (ga [n, r], A [r, I]) the incoming gradient is dy + ga @ A (a LoRA input
-    gradient's rank-r term), added in fp32 inside the kernel: no pass of its own over dy."""
+    so a backward that needs it does not run glu_fwd first; h_out may be dy itself."""
     _check_rows(dy, gate, up, *([h_out] if h_out is not None else []))
-    if lowrank is not None:
-        ga, a_mat = lowrank
-        _check_rows(ga, a_mat)
-        if ga.shape[0] != gate.shape[0] or a_mat.shape != (ga.shape[1], gate.shape[1]):
-            raise ValueError(f"lowrank: ga {tuple(ga.shape)} @ A {tuple(a_mat.shape)} does not "
-                             f"give {tuple(gate.shape)}")
     if use_triton(gate):
         n, cols = gate.shape
         if n and cols:
             h = gate if h_out is None else h_out
-            if lowrank is not None:
-                r = ga.shape[1]
-                _glu_bwd_lowrank_kernel[(triton.cdiv(n, _LR_BM), triton.cdiv(cols, _LR_BN))](
-                    dy, gate, up, h, ga, a_mat, n, cols, r, dy.stride(0), gate.stride(0),
-                    up.stride(0), h.stride(0), ga.stride(0), a_mat.stride(0), ACT=act,
-                    BM=_LR_BM, BN=_LR_BN, BR=max(16, triton.next_power_of_2(r)),
-                    WRITE_H=h_out is not None, IEEE=ga.dtype == torch.float32,
-                    num_warps=_LR_WARPS)
-            else:
-                _glu_bwd_rows_kernel[(n, triton.cdiv(cols, _BLOCK))](
-                    dy, gate, up, h, cols, dy.stride(0), gate.stride(0), up.stride(0),
-                    h.stride(0), ACT=act, BLOCK=_BLOCK, WRITE_H=h_out is not None,
-                    num_warps=_NUM_WARPS)
+            _glu_bwd_rows_kernel[(n, triton.cdiv(cols, _BLOCK))](
+                dy, gate, up, h, cols, dy.stride(0), gate.stride(0), up.stride(0), h.stride(0),
+                ACT=act, BLOCK=_BLOCK, WRITE_H=h_out is not None, num_warps=_NUM_WARPS)
         return
     with torch.enable_grad():
         g = gate.detach().float().requires_grad_()
@@ -310,8 +248,6 @@ def glu_bwd_(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int,
         (da,) = torch.autograd.grad(a, g, torch.ones_like(a))
     a = a.detach()
     dyf, uf = dy.float(), up.float()
-    if lowrank is not None:
-        dyf = dyf + lowrank[0].float() @ lowrank[1].float()
     h = (a * uf).to(gate.dtype) if h_out is not None else None
     gate.copy_(dyf * uf * da)
     up.copy_(dyf * a)

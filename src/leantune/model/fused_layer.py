@@ -332,12 +332,10 @@ class _Group:
         input_grad), else in."""
         return self.packed.shape[1] if self.has_lora_cols else self.in_f
 
-    def input_grad(self, dys, out: torch.Tensor | None = None, need_dx: bool = True,
-                   add_lowrank: bool = True):
+    def input_grad(self, dys, out: torch.Tensor | None = None, need_dx: bool = True):
         """dys: [n, sum out] or per-projection list -> (dx [n, in] = sum_i dy_i W_i + ga A_cat
-        (into `out`, [n, grad_width()] for one tensor dys; None without need_dx), ga [n, R] =
-        s dy_i B_i side by side, or None). add_lowrank=False leaves ga A_cat out of dx, for a
-        consumer that adds it itself (glu_bwd_'s lowrank).
+        (into `out`, [n, grad_width()] for one tensor dys; None without need_dx), ga [n, R] = s dy_i B_i side by side,
+        or None).
 
         Packed with LoRA columns, dy @ [W | s B] = [dy W | s dy B] is dx and ga from one GEMM
         (K = sum out): ga needs no pass of its own over dy. dx and ga are then column views
@@ -346,8 +344,7 @@ class _Group:
         if need_dx and self.has_lora_cols and not isinstance(dys, (list, tuple)):
             wide = torch.mm(dys, self.packed, out=out)
             dx, ga = wide[:, :self.in_f], wide[:, self.in_f:self.in_f + self.R]
-            if add_lowrank:
-                dx.addmm_(ga, self.a)
+            dx.addmm_(ga, self.a)
             return dx, ga
         ga = None
         if self.a is not None:
@@ -367,7 +364,7 @@ class _Group:
                 dx = torch.mm(parts[0], self.w[0], out=out)
                 for dy, w in zip(parts[1:], self.w[1:]):
                     dx.addmm_(dy, w)
-            if ga is not None and add_lowrank:
+            if ga is not None:
                 dx.addmm_(ga, self.a)
         return dx, ga
 
@@ -558,11 +555,9 @@ class LayerRun:
         for rows in self._chunks(N, keep >= 2, dout.element_size()):
             gu = kept_gu if keep >= 2 else self.gu.project(X2[rows])
             kept_gu = None
-            # the down projection's input gradient is da + ga A: glu_bwd_ adds ga A itself
-            da, ga = self.down.input_grad(dout[rows], add_lowrank=False)
+            da, ga = self.down.input_grad(dout[rows])
             # gate, up <- d gate, d up in place; da <- act(gate) * up, the down projection's input
-            glu_bwd_(da, gu[:, :inter], gu[:, inter:], self.act, h_out=da,
-                     lowrank=None if ga is None else (ga, self.down.a))
+            glu_bwd_(da, gu[:, :inter], gu[:, inter:], self.act, h_out=da)
             self.down.lora_grads(da, dout[rows], ga, grads,
                                  None if xa_down is None else xa_down[rows])
             del da, ga

@@ -334,8 +334,8 @@ class _Group:
 
     def input_grad(self, dys, out: torch.Tensor | None = None, need_dx: bool = True):
         """dys: [n, sum out] or per-projection list -> (dx [n, in] = sum_i dy_i W_i + ga A_cat
-        (into `out`, [n, grad_width()] for one tensor dys; None without need_dx), ga [n, R] = s dy_i B_i side by side,
-        or None).
+        (into `out`, [n, grad_width()] for one tensor dys; None without need_dx), ga [n, R] =
+        s dy_i B_i side by side, or None).
 
         Packed with LoRA columns, dy @ [W | s B] = [dy W | s dy B] is dx and ga from one GEMM
         (K = sum out): ga needs no pass of its own over dy. dx and ga are then column views
@@ -386,8 +386,8 @@ class _Group:
 
     def backward(self, X: torch.Tensor, dys, grads: dict, out: torch.Tensor | None = None,
                  need_dx: bool = True) -> torch.Tensor | None:
-        """Input gradient (into `out`, [n, grad_width()] for one tensor dys; None without need_dx) and LoRA grads
-        for input X (a new_input buffer after fill_lora, or [n, in])."""
+        """Input gradient (into `out`, [n, grad_width()] for one tensor dys; None without
+        need_dx) and LoRA grads for input X (a new_input buffer after fill_lora, or [n, in])."""
         dx, ga = self.input_grad(dys, out, need_dx)
         xa = X[:, self.in_f:self.in_f + self.R] if self.R and X.shape[1] > self.in_f else None
         self.lora_grads(X[:, :self.in_f], dys, ga, grads, xa)

@@ -32,6 +32,13 @@ def main():
             ratio = f"{r['ratio']:.2f}x" if r.get("ratio") else ""
             print(f"| {r['shape']} | {r['impl']} | {r['policy']} | {r['tok_s']:,.0f} | "
                   f"{r['peak_gib']:.2f} | {100 * r['mfu']:.1f}% | {ratio} |")
+    print("\n| shape | policy | plan | peak GiB | largest allocations live at the peak (MiB) |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        if r["section"] == "memory_peak":
+            top = ", ".join(f"{site} {mib:,.0f}" for site, mib in list(r["top"].items())[:4])
+            print(f"| {r['shape']} | {r['policy']} | {r['plan']} | {r['measured_peak_gib']:.2f} | "
+                  f"{top} |")
     print("\n| shape | leantune tok/s | HF+PEFT tok/s | leantune peak | HF peak | max loss gap | first->last (ours) |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

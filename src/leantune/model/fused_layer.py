@@ -482,16 +482,19 @@ class LayerRun:
         self.qkv, self.o, self.gu, self.down = self._groups(x.dtype)
         self.act = _act_code(self.layer.mlp.act)
         inter = self.layer.mlp.up_proj.out_features
-        X1, _, qkv, out4, aux = self._attention(x2, x.shape)
-        attn2 = out4.reshape(B * T, -1)  # [N, Hq * D] (a copy only if attention returned a view)
-        h_mid = self.o.project(attn2, resid=x2)
         keep = self.plan.keep
-        X2, _ = self._normed("post_attention_layernorm", h_mid, self.gu)
-        out = torch.empty_like(h_mid)
+        X1, _, qkv, out4, aux = self._attention(x2, x.shape)
         # from keep 1 on, the LoRA input products x A^T of q/k/v, gate/up and down (R columns
         # each, ~0.5% of the kept bytes) are kept, so backward does not read the inputs for them
+        xa1 = self.qkv.lora_cols(X1) if keep >= 1 and self.in_graph else None
+        xa1 = None if xa1 is None else xa1.contiguous()
+        del X1  # the q/k/v input buffer: not needed past attention
+        attn2 = out4.reshape(B * T, -1)  # [N, Hq * D] (a copy only if attention returned a view)
+        h_mid = self.o.project(attn2, resid=x2)
+        X2, _ = self._normed("post_attention_layernorm", h_mid, self.gu)
+        out = torch.empty_like(h_mid)
         xa_down = (x2.new_empty(B * T, self.down.R)
-                   if keep >= 1 and self.down.has_lora_cols else None)
+                   if keep >= 1 and self.in_graph and self.down.has_lora_cols else None)
         for rows in self._chunks(B * T, keep >= 2, x.element_size(), forward=True):
             gu = self.gu.project(X2[rows])  # [n, 2 I]: gate | up
             Hb = self.down.new_input(gu.shape[0], gu)
@@ -505,11 +508,11 @@ class LayerRun:
         if keep >= 1:
             kept.update(h_mid=h_mid, qkv=qkv, attn=attn2)
             self.aux = aux  # attention log-sum-exp (fp32, [Hq, N]) and rng state: small, stays
-            for name, cols in (("xa1", self.qkv.lora_cols(X1)), ("xa2", self.gu.lora_cols(X2)),
+            for name, cols in (("xa1", xa1), ("xa2", self.gu.lora_cols(X2)),
                                ("xa_down", xa_down)):
                 if cols is not None:
-                    kept[name] = cols.contiguous()  # not a view: X1/X2 are freed
-        del X1, X2
+                    kept[name] = cols.contiguous()  # not a view: X2 is freed
+        del xa1, X2
         if keep >= 2:
             kept.update(gu=gu)
         if not self.in_graph:

@@ -22,7 +22,9 @@ its own state (reloaded, if offloaded; rebuilt up to keep 1, if it kept only its
 next layer's state being prefetched, and the working set, less the gate/up it kept (it
 backpropagates through them instead of recomputing them). The working set (a layer's
 row-chunked MLP, a few [tokens, hidden] buffers, allocator slack) is HEADROOM_GIB +
-HEADROOM_HIDDEN [tokens, hidden] tensors + the MLP chunk's three [rows, intermediate] tensors.
+HEADROOM_HIDDEN [tokens, hidden] tensors + the MLP chunk's three [rows, intermediate] tensors
+(forward chunks are MLP_FWD_CHUNK_FACTOR times the backward's; a layer kept whole runs its MLP
+in one piece).
 Measured on an H200 (Llama-3.1-8B, 8192 tokens; GiB above weights and optimizer state, model in
 brackets): offloading 1.47 (1.57), the last two layers kept whole 1.87 (2.04), recompute 3.06
 (3.23).
@@ -88,12 +90,15 @@ def offload_capacity(cfg, tokens: int, itemsize: int = 2) -> int:
     return min(cfg.num_hidden_layers, int(forward_s / copy_s) + IN_FLIGHT_LAYERS)
 
 
-def mlp_chunk_working_bytes(cfg, tokens: int, itemsize: int = 2) -> int:
-    """GPU bytes of the fused layer's MLP row chunk in backward (gate | up and its gradient)."""
+def mlp_chunk_working_bytes(cfg, tokens: int, itemsize: int = 2, forward: bool = False) -> int:
+    """GPU bytes of the fused layer's MLP row chunk: in backward gate | up and the down
+    projection's input gradient, in forward gate | up and the down projection's input (whose
+    chunks are MLP_FWD_CHUNK_FACTOR times larger)."""
     from ..model import fused_layer
 
     one = tokens * cfg.intermediate_size * itemsize  # one [tokens, intermediate] tensor
-    return 3 * min(one, int(fused_layer.MLP_CHUNK_BYTES))
+    limit = fused_layer.MLP_CHUNK_BYTES * (fused_layer.MLP_FWD_CHUNK_FACTOR if forward else 1)
+    return 3 * min(one, int(limit))
 
 
 def working_set_bytes(cfg, tokens: int, itemsize: int = 2, autograd: bool = False) -> float:
@@ -144,17 +149,24 @@ def plan_peak_bytes(cfg, tokens: int, plans: list[LayerPlan], itemsize: int = 2,
     if autograd:
         return sum(gpu) + ws
     k1 = kept_bytes(cfg, tokens, 1, itemsize)
-    gate_up = kept_bytes(cfg, tokens, 2, itemsize) - k1
+    # the MLP's part of the working set: row chunks, except in a layer kept whole, which runs it
+    # in one piece (its gate/up [tokens, 2 I] and one [tokens, I] tensor; in backward the kept
+    # gate/up counts in its own state)
+    one = tokens * cfg.intermediate_size * itemsize
+    rest = ws - mlp_chunk_working_bytes(cfg, tokens, itemsize)
+    mlp_fwd = mlp_chunk_working_bytes(cfg, tokens, itemsize, forward=True)
+    mlp_bwd = mlp_chunk_working_bytes(cfg, tokens, itemsize)
 
     def in_flight(i):  # offloaded layers' copies that may still be under way at layer i
         return sum(kept[j] for j in range(max(0, i - IN_FLIGHT_LAYERS), i) if plans[j].offload)
 
     peak, below = 0.0, 0
     for i, p in enumerate(plans):
-        forward = below + in_flight(i) + ws
+        whole = p.keep == 2
+        forward = below + in_flight(i) + rest + (3 * one if whole else mlp_fwd)
         prefetch = kept[i - 1] if i > 0 and plans[i - 1].offload else 0
         own = max(kept[i], k1)  # keep 0 rebuilds its attention state first
-        backward = below + own + prefetch + ws - (gate_up if p.keep == 2 else 0)
+        backward = below + own + prefetch + rest + (one if whole else mlp_bwd)
         peak = max(peak, forward, backward)
         below += gpu[i]
     loss = below + in_flight(len(plans)) + loss_working_bytes(cfg, tokens, itemsize)
@@ -192,7 +204,11 @@ def plan_layers(cfg, tokens: int, budget_bytes: float, fixed_bytes: float,
     plans = [LayerPlan(keep=0)] * L
     n_off = 0 if autograd else _offloads(cfg, tokens, itemsize, host_bytes)
     if n_off:
-        offload = [LayerPlan(keep=1, offload=True)] * n_off + plans[n_off:]
+        # the most layers offloaded that fit, else the leanest count (the peak is not monotone
+        # in it: the second-to-last layer's copy is still in flight at the loss)
+        counts = [[LayerPlan(keep=1, offload=True)] * n + plans[n:] for n in range(n_off, 0, -1)]
+        offload = next((c for c in counts if peak(c) <= room), min(counts, key=peak))
+        n_off = sum(p.offload for p in offload)
         if peak(offload) <= max(room, peak(plans)):
             plans = offload
             for i in reversed(range(n_off, L)):
@@ -217,8 +233,8 @@ def least_plan_bytes(cfg, tokens: int, itemsize: int = 2, autograd: bool = False
     inputs = [LayerPlan(keep=0)] * L
     least = plan_peak_bytes(cfg, tokens, inputs, itemsize, autograd)
     n_off = 0 if autograd else _offloads(cfg, tokens, itemsize, host_bytes)
-    if n_off:
-        offload = [LayerPlan(keep=1, offload=True)] * n_off + inputs[n_off:]
+    for n in range(1, n_off + 1):
+        offload = [LayerPlan(keep=1, offload=True)] * n + inputs[n:]
         least = min(least, plan_peak_bytes(cfg, tokens, offload, itemsize))
     return math.ceil(least)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from harness import hf_config, leantune_model, mean_ms, record  # noqa: E402
+from harness import hf_config, mean_ms, record  # noqa: E402
 from speed import make_trainer, random_batch  # noqa: E402
 
 from leantune.model.config import ModelConfig  # noqa: E402

@@ -23,6 +23,13 @@ CFG = dict(model_type="qwen3", vocab_size=97, hidden_size=40, intermediate_size=
            rms_norm_eps=1e-6, tie_word_embeddings=False)
 
 
+def llama_8b(**overrides) -> ModelConfig:
+    """Llama-3.1-8B's layer shapes over CFG (the planner tests' model)."""
+    shape = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, head_dim=128)
+    return ModelConfig.from_dict({**CFG, **shape, **overrides})
+
+
 def tiny_lora_model(seed=0):
     torch.manual_seed(seed)
     m = build_empty(ModelConfig.from_dict(CFG), torch.float32, torch.device("cpu"))
@@ -94,9 +101,7 @@ def test_compiled_layers_agree():
 
 
 def test_layer_plans_fit_the_budget():
-    cfg = ModelConfig.from_dict(dict(CFG, hidden_size=4096, intermediate_size=14336,
-                                     num_hidden_layers=32, num_attention_heads=32,
-                                     num_key_value_heads=8, head_dim=128))
+    cfg = llama_8b()
     gib = 2**30
     fixed, tokens = 16 * gib, 8192
     for host in (512 * gib, 4 * gib):  # room to offload, or not
@@ -152,9 +157,7 @@ def test_hand_built_batch_without_host_lengths_keeps_documents_apart():
 
 
 def test_autograd_plans_never_offload_and_budget_autograd_activations():
-    cfg = ModelConfig.from_dict(dict(CFG, hidden_size=4096, intermediate_size=14336,
-                                     num_hidden_layers=32, num_attention_heads=32,
-                                     num_key_value_heads=8, head_dim=128))
+    cfg = llama_8b()
     gib = 2**30
     for budget in (20, 40, 80):
         plans = plan_layers(cfg, 8192, budget * gib, 16 * gib, host_bytes=512 * gib, autograd=True)
@@ -206,9 +209,7 @@ def test_plan_peak_is_the_largest_phase():
     from leantune.train.memory import (kept_bytes, loss_working_bytes, plan_peak_bytes,
                                        working_set_bytes)
 
-    cfg = ModelConfig.from_dict(dict(CFG, hidden_size=4096, intermediate_size=14336,
-                                     num_hidden_layers=4, num_attention_heads=32,
-                                     num_key_value_heads=8, head_dim=128))
+    cfg = llama_8b(num_hidden_layers=4)
     n = 8192
     k0, k1, k2 = (kept_bytes(cfg, n, k) for k in (0, 1, 2))
     ws, loss_ws = working_set_bytes(cfg, n), loss_working_bytes(cfg, n)
@@ -229,9 +230,7 @@ def test_planner_keeps_the_last_layers_whole_at_8b_17gib():
     room for it the planner keeps the last two layers whole."""
     from leantune.train.memory import describe, plan_peak_bytes
 
-    cfg = ModelConfig.from_dict(dict(CFG, hidden_size=4096, intermediate_size=14336,
-                                     num_hidden_layers=32, num_attention_heads=32,
-                                     num_key_value_heads=8, head_dim=128, vocab_size=128256))
+    cfg = llama_8b(vocab_size=128256)
     gib, mib = 2**30, 2**20
     fixed = 15187 * mib  # the Trainer's count for this run: weights, LoRA fp32 + grads + moments
     for plan, peak_mib in (([LayerPlan(1, offload=True)] * 31 + [LayerPlan(1)], 16696),
@@ -250,9 +249,7 @@ def test_least_plan_counts_offloading():
     every layer's input on the GPU would not."""
     from leantune.train.memory import least_plan_bytes
 
-    cfg = ModelConfig.from_dict(dict(CFG, hidden_size=4096, intermediate_size=14336,
-                                     num_hidden_layers=32, num_attention_heads=32,
-                                     num_key_value_heads=8, head_dim=128))
+    cfg = llama_8b()
     gib, fixed = 2**30, 14.61 * 2**30
     assert fixed + least_plan_bytes(cfg, 8192, host_bytes=512 * gib) < 17 * gib
     assert fixed + least_plan_bytes(cfg, 8192, host_bytes=0) > 17 * gib
@@ -307,9 +304,7 @@ def test_plan_layers_16k_tokens_count_whole_layers_mlp():
     chunk-sized ones), fits the budget."""
     from leantune.train import memory
 
-    cfg = ModelConfig.from_dict(dict(CFG, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                            num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                            vocab_size=128256))
+    cfg = llama_8b(vocab_size=128256)
     gib, n, fixed = 2**30, 16384, 15187 * 2**20
     plans = memory.plan_layers(cfg, n, 20 * gib, fixed, host_bytes=512 * gib)
     assert fixed + memory.plan_peak_bytes(cfg, n, plans) <= 20 * gib  # what the model says
@@ -336,9 +331,7 @@ def test_plan_layers_finds_a_fitting_plan_that_offloads_fewer_layers():
     reports counts that."""
     from leantune.train import memory
 
-    cfg = ModelConfig.from_dict(dict(CFG, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                            num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                            vocab_size=128256))
+    cfg = llama_8b(vocab_size=128256)
     mib, n, fixed, host = 2**20, 2048, 15187 * 2**20, 512 * 2**30
     fewer = [LayerPlan(1, offload=True)] * 29 + [LayerPlan(0)] * 3
     room = 490 * mib

@@ -340,12 +340,12 @@ class _Group:
         Packed with LoRA columns, dy @ [W | s B] = [dy W | s dy B] is dx and ga from one GEMM
         (K = sum out): ga needs no pass of its own over dy. dx and ga are then column views
         of one [n, packed width] buffer."""
-        parts = self.split(dys)
         if need_dx and self.has_lora_cols and not isinstance(dys, (list, tuple)):
             wide = torch.mm(dys, self.packed, out=out)
             dx, ga = wide[:, :self.in_f], wide[:, self.in_f:self.in_f + self.R]
             dx.addmm_(ga, self.a)
             return dx, ga
+        parts = self.split(dys)
         ga = None
         if self.a is not None:
             gas = []

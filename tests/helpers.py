@@ -1,5 +1,7 @@
-"""Shared test helpers: tiny Hugging Face configs for every supported family, randomised
-transformers models saved as checkpoints, a tiny tokenizer, and the one-thread fixture.
+"""The one module of shared test helpers (test modules import from here, never from each other):
+tiny Hugging Face configs for every supported family, randomised transformers models saved as
+checkpoints, tiny tokenizers (word-level; a byte-level BPE with chat templates), a tiny Llama
+checkpoint and alpaca data for the trainer and CLI tests, and the one-thread fixture.
 
 Weights are re-randomised with a larger spread than transformers' init (std 0.02, norms 1, biases
 0), so that norms, biases and q/k norms all carry signal and a 1e-4 logits tolerance means
@@ -8,6 +10,8 @@ something.
 
 from __future__ import annotations
 
+import json
+import random
 from pathlib import Path
 
 import pytest
@@ -117,3 +121,166 @@ def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def random_ids(n: int, vocab: int, g: torch.Generator) -> list[int]:
     return torch.randint(1, vocab, (n,), generator=g).tolist()
+
+
+# --- a byte-level BPE tokenizer with chat templates (offline, trained in milliseconds) ---------
+SPECIALS = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
+
+CORPUS = [
+    "What is the capital of France?",
+    "Paris is the capital of France.",
+    "### Instruction:\nTranslate to French\n\n### Input:\nhello world\n\n### Response:\nbonjour",
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello there, how are you today? I am fine, thank you.",
+]
+
+# Turns closed by EOS, BOS emitted by the template (Llama-2/Mistral-like).
+EOS_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+# Turns closed by a non-EOS marker, no BOS in the template (ChatML-like).
+END_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def make_tokenizer(chat_template=EOS_TEMPLATE):
+    """A tiny byte-level BPE in a transformers fast tokenizer with BOS/EOS/PAD and `chat_template`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=SPECIALS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                 pad_token="<pad>",
+                                 additional_special_tokens=SPECIALS[3:])
+    hf.chat_template = chat_template
+    return hf
+
+
+# --- a tiny Llama checkpoint and alpaca data for the trainer and CLI tests ------------------------
+def save_tiny_checkpoint(folder: Path, tokenizer, hidden: int = 32, seed: int = 0) -> Path:
+    """A 2-layer Llama checkpoint (config.json + model.safetensors) and its tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=256, bos_token_id=tokenizer.bos_token_id,
+                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg).float()
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+WORDS = ["Paris", "is", "the", "capital", "of", "France", "hello", "world", "quick", "brown",
+         "fox", "lazy", "dog", "today", "fine", "thank", "you"]
+
+
+def alpaca_rows(n: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        a, b = rng.randint(0, 50), rng.randint(0, 50)
+        answer = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 14)))
+        rows.append({"instruction": "What is the capital of France?", "input": f"{a} {b}",
+                     "output": f"{answer} {a + b}"})
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def read_metrics(output: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(output) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory) -> Path:
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny", make_tokenizer())
+
+
+@pytest.fixture(scope="session")
+def alpaca_file(tmp_path_factory) -> Path:
+    return write_jsonl(tmp_path_factory.mktemp("data") / "train.jsonl", alpaca_rows(48))
+
+
+# --- fused layer vs autograd: tiny models, a packed batch, loss and LoRA gradients ---------------
+def packed_batch(seed=0):
+    """2 rows of vocabulary-97 ids: three documents (7, 12, 5 tokens) and one of 19."""
+    from leantune.batch import PackedBatch
+
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for lens in ([7, 12, 5], [19]):
+        row = []
+        for n in lens:
+            ids = torch.randint(0, 97, (n,), generator=g).tolist()
+            row.append((ids, ids[1:] + [-100]))
+        rows.append(row)
+    return PackedBatch.from_documents(rows)
+
+
+def loss_and_grads(model, batch):
+    """(mean loss, all trainable gradients flattened into one vector)."""
+    loss = model.loss_sum(batch) / batch.num_target_tokens
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, params)
+    return loss.detach(), torch.cat([g.flatten() for g in grads])
+
+
+BASE = dict(vocab_size=97, hidden_size=40, intermediate_size=72, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=12, rms_norm_eps=1e-6,
+            tie_word_embeddings=False)
+CONFIGS = {
+    "llama": dict(BASE, model_type="llama"),
+    "qwen2": dict(BASE, model_type="qwen2"),  # q/k/v bias
+    "mistral": dict(BASE, model_type="mistral", sliding_window=6),
+    "gelu": dict(BASE, model_type="llama", hidden_act="gelu_pytorch_tanh"),
+}
+
+
+def model_for(cfg, targets=None, rslora=False, seed=0):
+    """A random fp32 CPU model of config dict `cfg` with LoRA r=4 (random B, so every LoRA
+    gradient carries signal) on `targets` (default all)."""
+    from leantune import LoRAConfig, apply_lora
+    from leantune.model.config import ModelConfig
+    from leantune.model.loader import build_empty
+
+    torch.manual_seed(seed)
+    m = build_empty(ModelConfig.from_dict(cfg), torch.float32, torch.device("cpu"))
+    m.init_weights(std=0.1, seed=seed)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if n.endswith("bias"):
+                p.normal_(0, 0.1)
+    apply_lora(m, LoRAConfig(r=4, alpha=8, use_rslora=rslora,
+                             **({"targets": targets} if targets else {})), seed=seed)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    return m
+
+
+def check(model, plans, rtol=1e-5, atol=1e-6, loss_rtol=None):
+    """The loss and LoRA gradients under `plans` (fused layers) equal plain autograd's."""
+    batch = packed_batch()
+    ref_loss, ref_grads = loss_and_grads(model, batch)
+    model.set_layer_plans(plans)
+    assert model.fused_unsupported() is None
+    loss, grads = loss_and_grads(model, batch)
+    torch.testing.assert_close(loss, ref_loss, rtol=loss_rtol, atol=loss_rtol and 0.0)
+    torch.testing.assert_close(grads, ref_grads, rtol=rtol, atol=atol)

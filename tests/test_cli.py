@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 from helpers import one_torch_thread  # noqa: F401  (autouse)
-from tiny import alpaca_file, alpaca_rows, read_metrics, tiny_ckpt, write_jsonl  # noqa: F401
+from helpers import alpaca_file, alpaca_rows, read_metrics, tiny_ckpt, write_jsonl  # noqa: F401
 
 from leantune.cli import main
 

@@ -16,6 +16,7 @@ from leantune.model import fused_layer
 from leantune.model.config import ModelConfig
 from leantune.model.fused_layer import LayerPlan
 from leantune.model.loader import build_empty
+from helpers import BASE, check, loss_and_grads, model_for, packed_batch
 from leantune.train.memory import kept_bytes, offload_capacity, plan_layers
 
 CFG = dict(model_type="qwen3", vocab_size=97, hidden_size=40, intermediate_size=72,
@@ -40,25 +41,6 @@ def tiny_lora_model(seed=0):
             if "lora_B" in name:
                 p.normal_(0, 0.05)
     return m
-
-
-def packed_batch(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for lens in ([7, 12, 5], [19]):
-        row = []
-        for n in lens:
-            ids = torch.randint(0, 97, (n,), generator=g).tolist()
-            row.append((ids, ids[1:] + [-100]))
-        rows.append(row)
-    return PackedBatch.from_documents(rows)
-
-
-def loss_and_grads(model, batch):
-    loss = model.loss_sum(batch) / batch.num_target_tokens
-    params = [p for p in model.parameters() if p.requires_grad]
-    grads = torch.autograd.grad(loss, params)
-    return loss.detach(), torch.cat([g.flatten() for g in grads])
 
 
 def test_kernels_vs_reference_same_20_step_loss_curve():
@@ -261,7 +243,6 @@ _REAL_GLU_BWD = fused_layer.glu_bwd_
 def _mlp_bytes_at_glu_backward(monkeypatch, keep, I=512):
     """Bytes of the two [rows, *] MLP buffers live at each GLU backward of the fused layer
     (gate|up, and the down projection's input-gradient buffer `da` it writes into)."""
-    from test_fused_layer import BASE, check, model_for
 
     cfgd = dict(BASE, model_type="llama", intermediate_size=I, num_hidden_layers=1)
     monkeypatch.setattr(fused_layer, "PACK_ALIGN", 1)

@@ -14,7 +14,7 @@ from leantune.errors import LeantuneError
 MODEL = assets.path("tiny-llama")
 TRAIN = assets.path("data/tiny_sft.jsonl")
 EVAL = assets.path("data/tiny_sft_eval.jsonl")
-SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "make_tiny_assets.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "make_tiny_assets.py"
 
 
 def _rows(p):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import one_torch_thread  # noqa: F401  (autouse)
 from safetensors.torch import load_file
-from tiny import alpaca_file, read_metrics, tiny_ckpt  # noqa: F401  (fixtures)
+from helpers import alpaca_file, read_metrics, tiny_ckpt  # noqa: F401  (fixtures)
 
 from leantune.batch import PackedBatch
 from leantune.data import PackedLoader

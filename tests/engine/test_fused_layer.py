@@ -7,48 +7,8 @@ import torch
 
 from leantune import LoRAConfig, apply_lora, kernels
 from leantune.model import fused_layer
-from leantune.model.config import ModelConfig
 from leantune.model.fused_layer import LayerPlan
-from leantune.model.loader import build_empty
-from test_switches import loss_and_grads, packed_batch
-
-BASE = dict(vocab_size=97, hidden_size=40, intermediate_size=72, num_hidden_layers=3,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=12, rms_norm_eps=1e-6,
-            tie_word_embeddings=False)
-CONFIGS = {
-    "llama": dict(BASE, model_type="llama"),
-    "qwen2": dict(BASE, model_type="qwen2"),  # q/k/v bias
-    "mistral": dict(BASE, model_type="mistral", sliding_window=6),
-    "gelu": dict(BASE, model_type="llama", hidden_act="gelu_pytorch_tanh"),
-}
-
-
-def model_for(cfg, targets=None, rslora=False, seed=0):
-    torch.manual_seed(seed)
-    m = build_empty(ModelConfig.from_dict(cfg), torch.float32, torch.device("cpu"))
-    m.init_weights(std=0.1, seed=seed)
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            if n.endswith("bias"):
-                p.normal_(0, 0.1)
-    apply_lora(m, LoRAConfig(r=4, alpha=8, use_rslora=rslora,
-                             **({"targets": targets} if targets else {})), seed=seed)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05)
-    return m
-
-
-def check(model, plans, rtol=1e-5, atol=1e-6, loss_rtol=None):
-    batch = packed_batch()
-    ref_loss, ref_grads = loss_and_grads(model, batch)
-    model.set_layer_plans(plans)
-    assert model.fused_unsupported() is None
-    loss, grads = loss_and_grads(model, batch)
-    torch.testing.assert_close(loss, ref_loss, rtol=loss_rtol, atol=loss_rtol and 0.0)
-    torch.testing.assert_close(grads, ref_grads, rtol=rtol, atol=atol)
-
+from helpers import BASE, CONFIGS, check, loss_and_grads, model_for, packed_batch
 
 @pytest.mark.parametrize("family", list(CONFIGS))
 @pytest.mark.parametrize("keep", [0, 1, 2])

@@ -8,7 +8,7 @@ from leantune import kernels
 from leantune.model import fused_layer
 from leantune.model.config import ModelConfig
 from leantune.model.fused_layer import LayerPlan
-from test_fused_layer import BASE, CONFIGS, check, model_for
+from helpers import BASE, CONFIGS, check, model_for
 
 BIAS_ALL = dict(BASE, model_type="llama", attention_bias=True, mlp_bias=True)
 

@@ -247,9 +247,17 @@ BASE = dict(vocab_size=97, hidden_size=40, intermediate_size=72, num_hidden_laye
 CONFIGS = {
     "llama": dict(BASE, model_type="llama"),
     "qwen2": dict(BASE, model_type="qwen2"),  # q/k/v bias
+    "qwen3": dict(BASE, model_type="qwen3"),  # q/k norm
     "mistral": dict(BASE, model_type="mistral", sliding_window=6),
     "gelu": dict(BASE, model_type="llama", hidden_act="gelu_pytorch_tanh"),
 }
+
+
+def chunk_options(rows: int, intermediate: int = 72, itemsize: int = 4, **kw):
+    """EngineOptions whose backward MLP chunks hold `rows` rows (forward: twice that)."""
+    from leantune.engine import EngineOptions
+
+    return EngineOptions(mlp_chunk_mib=itemsize * intermediate * rows / 2**20, **kw)
 
 
 def model_for(cfg, targets=None, rslora=False, seed=0):
@@ -266,6 +274,8 @@ def model_for(cfg, targets=None, rslora=False, seed=0):
         for n, p in m.named_parameters():
             if n.endswith("bias"):
                 p.normal_(0, 0.1)
+            elif "norm" in n:  # norms (q/k norms too) carry signal
+                p.add_(torch.randn_like(p), alpha=0.2)
     apply_lora(m, LoRAConfig(r=4, alpha=8, use_rslora=rslora,
                              **({"targets": targets} if targets else {})), seed=seed)
     with torch.no_grad():
@@ -275,12 +285,30 @@ def model_for(cfg, targets=None, rslora=False, seed=0):
     return m
 
 
-def check(model, plans, rtol=1e-5, atol=1e-6, loss_rtol=None):
-    """The loss and LoRA gradients under `plans` (fused layers) equal plain autograd's."""
-    batch = packed_batch()
+def one_document_batch(seed=0):
+    """2 rows of 16 vocabulary-97 ids, one document each (the attention path of whole rows)."""
+    from leantune.batch import PackedBatch
+
+    g = torch.Generator().manual_seed(seed)
+    rows = [[(ids, ids[1:] + [-100])] for ids in
+            (torch.randint(0, 97, (16,), generator=g).tolist() for _ in range(2))]
+    return PackedBatch.from_documents(rows)
+
+
+def check(model, plans, rtol=1e-5, atol=1e-6, loss_rtol=None, options=None, engine=None,
+          batch=None):
+    """The loss and LoRA gradients with an engine's executors running `plans` (`engine`, or a
+    new one with EngineOptions `options`) equal plain autograd's, over `batch` (default
+    packed_batch: packed rows and a row of one document). Returns the engine."""
+    from leantune.engine import Engine, detach, fused_unsupported
+
+    batch = batch if batch is not None else packed_batch()
+    detach(model)
     ref_loss, ref_grads = loss_and_grads(model, batch)
-    model.set_layer_plans(plans)
-    assert model.fused_unsupported() is None
+    assert all(fused_unsupported(layer) is None for layer in model.layers)
+    engine = engine or Engine(options)
+    engine.attach(model, plans)
     loss, grads = loss_and_grads(model, batch)
     torch.testing.assert_close(loss, ref_loss, rtol=loss_rtol, atol=loss_rtol and 0.0)
     torch.testing.assert_close(grads, ref_grads, rtol=rtol, atol=atol)
+    return engine

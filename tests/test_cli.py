@@ -247,7 +247,7 @@ def test_data_errors(tiny_ckpt, tmp_path, capsys):  # noqa: F811
     (["--grad-accum", "0"], "--grad-accum must be a positive integer"),
     (["--eval-fraction", "1.5"], "--eval-fraction must be in [0, 1)"),
     (["--lora-dropout", "1"], "--lora-dropout must be in [0, 1)"),
-    (["--device", "cpu", "--checkpointing", "offload"], "offload needs a CUDA device"),
+    (["--device", "cpu", "--activations", "offload"], "offload needs a CUDA device"),
 ])
 def test_flag_errors(tiny_ckpt, alpaca_file, tmp_path, capsys, extra, expect):  # noqa: F811
     line = one_line_error(capsys, "--model", tiny_ckpt, "--data", alpaca_file, "--output",
@@ -292,5 +292,5 @@ def test_train_help_lists_the_flags(capsys):
                  "--grad-accum", "--lr", "--epochs", "--max-steps", "--lora-r", "--lora-alpha",
                  "--lora-dropout", "--lora-targets", "--full", "--eval-data", "--eval-fraction",
                  "--save-every", "--resume", "--seed", "--config", "--overwrite",
-                 "--checkpointing", "--max-memory-gib", "--no-fused-layers"]:
+                 "--activations", "--max-memory-gib", "--no-fused-layers", "--attention", "--kernels"]:
         assert flag in text, flag

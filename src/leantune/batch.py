@@ -59,10 +59,6 @@ class PackedBatch:
     def num_tokens(self) -> int:
         return self.input_ids.numel()
 
-    @property
-    def is_single_document_rows(self) -> bool:
-        """True when every row holds exactly one segment (then plain causal SDPA is exact)."""
-        return len(self.seq_lens) == self.input_ids.shape[0]
 
     def to(self, device, non_blocking: bool = True) -> "PackedBatch":
         """Move tensors to `device`; pinned host tensors make the copies asynchronous."""

@@ -54,18 +54,35 @@ def _train_parser(sub) -> None:
     a("--seed", type=int, help="random seed (default 42)")
     a("--device", help="cuda, cuda:1, cpu (default: cuda if available)")
     a("--dtype", choices=["bfloat16", "float16", "float32"], help="default: by device")
-    a("--checkpointing", choices=["auto", "none", "recompute", "offload"],
-      help="what layers keep for backward; auto (default): on GPU, keep as many layers' "
-           "activations as fit --max-memory-gib and offload the rest's attention state to host "
-           "memory; none on CPU. recompute: keep layer inputs only; offload: attention state "
-           "to host memory for every layer")
-    a("--no-fused-layers", dest="fused_layers", action="store_false", default=None,
-      help="use autograd (+ torch.utils.checkpoint) instead of the hand-written layer backward")
+    a("--activations", choices=["auto", "keep", "recompute", "offload"],
+      help="what layers keep for backward; auto (default): on GPU, the fastest plan whose peak "
+           "fits --max-memory-gib (layers keep everything, their attention state, or their "
+           "input, on the GPU or offloaded to host memory); keep on CPU. keep: everything; "
+           "recompute: layer inputs only; offload: attention state to host memory")
+    a("--max-memory-gib", type=float,
+      help="GPU memory the run may use (default: the GPU's); a promise: the step's peak stays "
+           "under it, or the run stops at once saying the least that would do")
     a("--no-offload-embedding", dest="offload_embedding", action="store_false", default=None,
       help="keep a frozen input embedding on the GPU (by default it stays in pinned host "
            "memory and each step reads its tokens' rows over the host link)")
-    a("--max-memory-gib", type=float, help="GPU memory the run may use (default: the GPU's)")
     a("--compile", action="store_true", default=None, help="torch.compile each decoder layer")
+    e = p.add_argument_group("engine", "how the layers run (all saved with the run)")
+    e.add_argument("--no-fused-layers", dest="fused_layers", action="store_false", default=None,
+                   help="autograd (+ torch.utils.checkpoint) instead of the hand-written layer "
+                        "backward")
+    e.add_argument("--kernels", choices=["auto", "triton", "reference"],
+                   help="auto (default): Triton kernels on CUDA; reference: plain PyTorch ops")
+    e.add_argument("--attention", choices=["auto", "flash", "sdpa"],
+                   help="attention backend of the fused layers: auto (default: cuDNN for rows "
+                        "of one document, flash for packed rows), flash, sdpa (recomputed under "
+                        "autograd)")
+    e.add_argument("--no-pack-projections", dest="pack_projections", action="store_false",
+                   default=None, help="separate GEMMs for q/k/v, gate/up, down instead of one "
+                                      "packed GEMM each with the LoRA term folded in")
+    e.add_argument("--mlp-chunk-mib", type=float,
+                   help="row chunks of the fused MLP in backward (default 256 MiB)")
+    e.add_argument("--link-gbs", type=float,
+                   help="host link rate the memory planner assumes (default 50 GB/s)")
     a("--log-every", type=int, help="log every N steps (default 1)")
     a("--no-progress", dest="progress", action="store_false", default=None,
       help="no progress bar (plain log lines)")

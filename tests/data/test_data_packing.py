@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from leantune.data import pack_first_fit_decreasing, truncate_documents
+from leantune.data import pack_first_fit_decreasing
 
 
 def test_ffd_known_example():
@@ -50,12 +50,8 @@ def test_ffd_large_is_fast():
     assert len(rows) <= -(-sum(lengths) // 2048) * 1.05 + 1
 
 
-def test_oversized_lengths_are_clamped_and_truncation_counted():
+def test_oversized_lengths_are_clamped():
     assert pack_first_fit_decreasing([10, 3, 2], 4) == [[0], [1], [2]]
-    docs = [([1] * 10, [0] * 10), ([1] * 3, [0] * 3), ([1] * 4, [0] * 4)]
-    out, n = truncate_documents(docs, 4)
-    assert n == 1
-    assert [len(a) for a, _ in out] == [4, 3, 4] and [len(b) for _, b in out] == [4, 3, 4]
 
 
 def test_bad_capacity():

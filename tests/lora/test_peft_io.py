@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 import leantune
 from leantune import LeantuneError, LoRAConfig, apply_lora, load_adapter, save_adapter
-from leantune.lora import ALL_TARGETS, LoRALinear, lora_layers, trainable_parameters
+from leantune.lora import ALL_TARGETS, LoRALinear, lora_layers
 
 TOL = 1e-4
 FAMILIES = ["llama", "qwen2"]  # untied, head_dim != hidden / heads; tied with q/k/v bias
@@ -88,7 +88,7 @@ def test_apply_lora_targets_and_freezing(checkpoints, ids, targets, expected):
             assert layer.lora_A.weight.abs().sum() > 0
     for name, p in model.named_parameters():
         assert p.requires_grad == ("lora_" in name), name
-    trainable = trainable_parameters(model)
+    trainable = [p for p in model.parameters() if p.requires_grad]
     assert len(trainable) == 2 * len(names)
     assert sum(p.numel() for p in trainable) == sum(
         4 * (l.in_features + l.out_features) for _, l in lora_layers(model) if l.has_lora)

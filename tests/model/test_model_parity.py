@@ -18,7 +18,7 @@ from helpers import (
 
 import leantune
 from leantune.batch import IGNORE_INDEX, PackedBatch, shift_labels
-from leantune.model.attention import AttentionMeta, force_attention_path
+from leantune.model.attention import AttentionMeta
 
 TOL = 1e-4
 
@@ -33,12 +33,6 @@ def checkpoints(tmp_path_factory):
         model = leantune.load_model(folder, device="cpu").eval()
         out[fam] = (folder, hf, model)
     return out
-
-
-@pytest.fixture
-def reset_attention_path():
-    yield
-    force_attention_path(None)
 
 
 def _hf_logits(hf, ids: torch.Tensor) -> torch.Tensor:
@@ -143,7 +137,7 @@ def test_packed_rows_match_documents_alone(checkpoints, family):
     batch = PackedBatch.from_documents(rows, pad_id=0, pad_to_multiple=8)
     assert batch.shape == (2, 24)
     assert batch.seq_lens == [7, 5, 10, 2, 9, 6, 9]
-    assert not batch.is_single_document_rows
+    assert len(batch.seq_lens) > batch.shape[0]  # packed: more documents than rows
     with torch.no_grad():
         packed = model(batch=batch).logits
     assert packed.shape == (2, 24, model.config.vocab_size)
@@ -198,21 +192,21 @@ def test_default_attention_path_choice():
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_forced_attention_paths_agree(checkpoints, family, reset_attention_path):
+def test_forced_attention_paths_agree(checkpoints, family):
     _, hf, model = checkpoints[family]
     g = torch.Generator().manual_seed(12)
     rows = [[(ids, shift_labels(ids, [True] * 16))] for ids in
             (random_ids(16, model.config.vocab_size, g) for _ in range(2))]
     batch = PackedBatch.from_documents(rows, pad_to_multiple=8)
-    assert batch.is_single_document_rows and batch.shape == (2, 16)
+    assert len(batch.seq_lens) == 2 and batch.shape == (2, 16)  # one document a row
     # The "causal" path has no sliding window: only exact (and only chosen) without one.
     paths = ["mask"] if model.config.sliding_window else ["mask", "causal"]
     out = {}
     for path in [None, *paths]:
-        force_attention_path(path)
+        model.attention_path = path
         with torch.no_grad():
             out[path] = model(batch=batch).logits
-    force_attention_path(None)
+    model.attention_path = None
     ref = _hf_logits(hf, batch.input_ids)
     for path, logits in out.items():
         assert max_abs(logits, ref) < TOL, path

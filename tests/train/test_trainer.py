@@ -348,12 +348,12 @@ def test_packed_batch_rows_match_loader(tiny_ckpt, alpaca_file, tmp_path):  # no
 
 
 def test_fused_layers_on_and_off_train_the_same(tiny_ckpt, alpaca_file, tmp_path):  # noqa: F811
-    """The Trainer's --checkpointing recompute through the fused layer backward and through
+    """The Trainer's --activations recompute through the fused layer backward and through
     autograd + torch.utils.checkpoint: the same losses step by step (fp32, CPU)."""
     losses = {}
     for fused in (True, False):
         cfg = make_cfg(tiny_ckpt, alpaca_file, tmp_path / f"run-{fused}", max_steps=4,
-                       checkpointing="recompute", fused_layers=fused)
+                       activations="recompute", fused_layers=fused)
         trainer = Trainer(cfg, log=quiet)
         trainer.train()
         losses[fused] = [r["loss"] for r in read_metrics(cfg.output) if "loss" in r]
@@ -362,7 +362,7 @@ def test_fused_layers_on_and_off_train_the_same(tiny_ckpt, alpaca_file, tmp_path
 
 
 def test_offload_on_cpu_is_a_one_line_error(tiny_ckpt, alpaca_file, tmp_path):  # noqa: F811
-    cfg = make_cfg(tiny_ckpt, alpaca_file, tmp_path / "run", max_steps=1, checkpointing="offload")
+    cfg = make_cfg(tiny_ckpt, alpaca_file, tmp_path / "run", max_steps=1, activations="offload")
     with pytest.raises(LeantuneError, match="offload needs a CUDA device"):
         Trainer(cfg, log=quiet)
 

@@ -10,7 +10,7 @@ from leantune.data.formats import (
     render_alpaca_prompt,
     validate_format,
 )
-from leantune.data.packing import pack_first_fit_decreasing, truncate_documents
+from leantune.data.packing import pack_first_fit_decreasing
 
 __all__ = [
     "FORMATS",
@@ -22,6 +22,5 @@ __all__ = [
     "read_rows",
     "read_rows_located",
     "render_alpaca_prompt",
-    "truncate_documents",
     "validate_format",
 ]

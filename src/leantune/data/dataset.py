@@ -256,10 +256,6 @@ class PackedLoader:
         rows = self.num_rows
         return rows // self.batch_size if self.drop_last else -(-rows // self.batch_size)
 
-    @property
-    def packing_efficiency(self) -> float:
-        """Fraction of the rows' token capacity (rows * max_seq_len) holding real tokens."""
-        return sum(self.lengths) / (self.num_rows * self.max_seq_len)
 
     def get_batch(self, epoch: int, index: int) -> PackedBatch:
         """Build batch `index` of `epoch` (random access; does not move the position)."""

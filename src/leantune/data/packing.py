@@ -15,31 +15,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
-def truncate_documents(docs: Sequence[tuple[list, list]], max_seq_len: int
-                       ) -> tuple[list[tuple[list, list]], int]:
-    """Cut every (ids, labels-or-mask) document to at most `max_seq_len` tokens (keeping the head).
-
-    Returns:
-        (documents, number that were truncated).
-    """
-    if max_seq_len <= 0:
-        raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
-    out, n = [], 0
-    for a, b in docs:
-        if len(a) > max_seq_len:
-            a, b = a[:max_seq_len], b[:max_seq_len]
-            n += 1
-        out.append((a, b))
-    return out, n
-
-
 def pack_first_fit_decreasing(lengths: Sequence[int], max_seq_len: int) -> list[list[int]]:
     """Pack documents into rows of capacity `max_seq_len` with first-fit decreasing.
 
     Args:
         lengths: token count of each document (index = document id). Lengths above
-            `max_seq_len` are treated as `max_seq_len` (callers truncate such documents first,
-            see `truncate_documents`); negative lengths are an error.
+            `max_seq_len` are treated as `max_seq_len` (callers truncate such documents first); negative lengths are an error.
         max_seq_len: row capacity in tokens.
 
     Returns:

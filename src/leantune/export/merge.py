@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ..errors import LeantuneError
-from ..lora.peft_io import ADAPTER_WEIGHTS, PREFIX, read_adapter_config
+from ..lora.peft_io import ADAPTER_WEIGHTS, parse_key, read_adapter_config
 from ..model.config import ModelConfig
 from ..lora.layer import lora_scaling
 from ..model.loader import DTYPES, resolve_checkpoint, safetensors_files
@@ -37,9 +37,8 @@ def _lora_deltas(adapter_dir: Path) -> tuple[dict[str, tuple[torch.Tensor, torch
         raise LeantuneError(f"{path}: cannot read adapter weights ({type(e).__name__})") from None
     pairs: dict[str, list] = {}
     for key, t in tensors.items():
-        name = key[len(PREFIX):] if key.startswith(PREFIX) else key
-        mod, _, which = name.replace(".default.", ".").rpartition(".lora_")
-        pairs.setdefault(mod + ".weight", [None, None])[0 if which.startswith("A") else 1] = t
+        mod, which = parse_key(key)
+        pairs.setdefault(mod + ".weight", [None, None])[0 if which == "A" else 1] = t
     for k, (a, b) in pairs.items():
         if a is None or b is None:
             raise LeantuneError(f"{path}: {k} has only one of lora_A / lora_B")

@@ -4,13 +4,13 @@ reference of the same math. Each public function picks Triton or the reference (
 from .dispatch import backend, get_backend, set_backend, use_triton
 from .rmsnorm import rms_norm, rms_norm_reference
 from .rope import apply_rope, apply_rope_reference
-from .swiglu import geglu, geglu_reference, swiglu, swiglu_reference
+from .swiglu import act_code, geglu, geglu_reference, glu, swiglu, swiglu_reference
 from .cross_entropy import fused_linear_cross_entropy, linear_cross_entropy_reference
 
 __all__ = [
     "backend", "get_backend", "set_backend", "use_triton",
     "rms_norm", "rms_norm_reference",
     "apply_rope", "apply_rope_reference",
-    "swiglu", "swiglu_reference", "geglu", "geglu_reference",
+    "act_code", "glu", "swiglu", "swiglu_reference", "geglu", "geglu_reference",
     "fused_linear_cross_entropy", "linear_cross_entropy_reference",
 ]

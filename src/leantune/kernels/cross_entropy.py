@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..batch import IGNORE_INDEX
 from .dispatch import use_triton
 
 try:
@@ -37,7 +38,6 @@ try:
 except ImportError:  # the package works without Triton (reference path only)
     triton = None
 
-IGNORE_INDEX = -100
 
 # Target size of one chunk's logits buffer, per device type (see the module docstring).
 CHUNK_BYTES = {"cuda": 256 << 20, "default": 4 << 20}
@@ -135,9 +135,11 @@ def _scale(src: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = No
     return out
 
 
-def _chunk_rows(n: int, v: int, elem_bytes: int, device: torch.device) -> int:
-    """Rows per chunk: ~CHUNK_BYTES of logits, a multiple of 128 on CUDA when that large."""
-    budget = CHUNK_BYTES.get(device.type, CHUNK_BYTES["default"])
+def _chunk_rows(n: int, v: int, elem_bytes: int, device: torch.device,
+                chunk_bytes: int | None = None) -> int:
+    """Rows per chunk: ~chunk_bytes (default CHUNK_BYTES) of logits, a multiple of 128 on CUDA
+    when that large."""
+    budget = chunk_bytes or CHUNK_BYTES.get(device.type, CHUNK_BYTES["default"])
     rows = max(1, budget // max(1, v * elem_bytes))
     if device.type == "cuda" and rows >= 256:
         rows -= rows % 128
@@ -166,7 +168,8 @@ def _accumulate_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> Non
 
 
 def _flce_forward(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                  softcap: float | None, ignore_index: int, need_gh: bool, need_gw: bool):
+                  softcap: float | None, ignore_index: int, need_gh: bool, need_gw: bool,
+                  chunk_bytes: int | None = None):
     """-> (loss_sum fp32 0-dim, grad_hidden [N, H] or None, grad_weight [V, H] or None).
     The grads are for grad_output = 1; grad_weight is fp32 when accumulated over chunks."""
     N = hidden.shape[0]
@@ -181,7 +184,7 @@ def _flce_forward(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tens
     loss_rows = torch.empty(N, dtype=torch.float32, device=dev)
     gh = torch.empty_like(h) if need_gh else None
     gw = None
-    chunk = _chunk_rows(N, V, h.element_size(), dev)
+    chunk = _chunk_rows(N, V, h.element_size(), dev, chunk_bytes)
     n_chunks = triton.cdiv(N, chunk) if N else 0
     # W's grad accumulates in fp32 over several chunks of a bf16/fp16 W; with one chunk it is a
     # single product in W's dtype, as unfused autograd computes it.
@@ -218,10 +221,10 @@ def _flce_forward(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tens
 
 class _FusedLinearCEFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, softcap, ignore_index):
+    def forward(ctx, hidden, weight, labels, softcap, ignore_index, chunk_bytes):
         need_gh, need_gw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         loss, gh, gw = _flce_forward(hidden, weight, labels, softcap, ignore_index,
-                                     need_gh, need_gw)
+                                     need_gh, need_gw, chunk_bytes)
         ctx.save_for_backward(gh, gw)
         ctx.weight_dtype = weight.dtype
         return loss
@@ -240,27 +243,32 @@ class _FusedLinearCEFunction(torch.autograd.Function):
             else:  # fp32 accumulator -> W's dtype, scaled in the same pass
                 gw = _scale(gw, scale, torch.empty(gw.shape, dtype=ctx.weight_dtype,
                                                     device=gw.device))
-        return gh, gw, None, None, None
+        return gh, gw, None, None, None, None
 
 
 def fused_linear_cross_entropy_triton(hidden: torch.Tensor, weight: torch.Tensor,
                                       labels: torch.Tensor, softcap: float | None = None,
-                                      ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+                                      ignore_index: int = IGNORE_INDEX,
+                                      chunk_bytes: int | None = None) -> torch.Tensor:
     """Chunked linear + CE (module docstring); same contract as the reference.
 
     Gradients are computed during the forward pass when autograd will need them (grad mode on
     and hidden or weight requiring grad); otherwise only the loss is computed.
     """
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        return _FusedLinearCEFunction.apply(hidden, weight, labels, softcap, ignore_index)
-    return _flce_forward(hidden, weight, labels, softcap, ignore_index, False, False)[0]
+        return _FusedLinearCEFunction.apply(hidden, weight, labels, softcap, ignore_index,
+                                            chunk_bytes)
+    return _flce_forward(hidden, weight, labels, softcap, ignore_index, False, False,
+                         chunk_bytes)[0]
 
 
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                               softcap: float | None = None,
-                               ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+                               softcap: float | None = None, ignore_index: int = IGNORE_INDEX,
+                               chunk_bytes: int | None = None) -> torch.Tensor:
     """hidden: [N, H], weight: [V, H], labels: [N] -> scalar fp32 SUM of CE over non-ignored rows.
-    Triton path (chunked, no full logits) or reference, per `dispatch.use_triton`."""
+    Triton path (chunked, no full logits; chunks of ~chunk_bytes of logits) or reference, per
+    `dispatch.use_triton`."""
     if use_triton(hidden):
-        return fused_linear_cross_entropy_triton(hidden, weight, labels, softcap, ignore_index)
+        return fused_linear_cross_entropy_triton(hidden, weight, labels, softcap, ignore_index,
+                                                 chunk_bytes)
     return linear_cross_entropy_reference(hidden, weight, labels, softcap, ignore_index)

@@ -194,7 +194,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
 
 
 # ------------------------------------------------------------------------------------------------
-# Plain functions (no autograd), for the hand-written decoder-layer backward (model/fused_layer.py)
+# Plain functions (no autograd), for the hand-written decoder-layer backward (leantune.engine)
 # ------------------------------------------------------------------------------------------------
 def rms_norm_fwd(x2: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
                  out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

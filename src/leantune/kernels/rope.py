@@ -51,6 +51,17 @@ def apply_rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
 if triton is not None:
 
     @triton.jit
+    def token_cos_sin(COS, SIN, b, t, sc_b, sc_t, ss_b, ss_t, d, dmask, HALF: tl.constexpr):
+        """Token (b, t)'s cos and sin rows as halves (c1, c2, s1, s2), fp32 [1, BLOCK_D] each."""
+        cp = COS + b * sc_b + t * sc_t + d
+        sp = SIN + b * ss_b + t * ss_t + d
+        c1 = tl.load(cp, mask=dmask, other=0.0).to(tl.float32)[None, :]
+        c2 = tl.load(cp + HALF, mask=dmask, other=0.0).to(tl.float32)[None, :]
+        s1 = tl.load(sp, mask=dmask, other=0.0).to(tl.float32)[None, :]
+        s2 = tl.load(sp + HALF, mask=dmask, other=0.0).to(tl.float32)[None, :]
+        return c1, c2, s1, s2
+
+    @triton.jit
     def _rope_kernel(Q, K, COS, SIN, T, Hq, Hk,
                      sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sc_b, sc_t, ss_b, ss_t,
                      HALF: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -78,12 +89,7 @@ if triton is not None:
         q2 = tl.load(pq + HALF, mask=mq, other=0.0)
         k1 = tl.load(pk, mask=mk, other=0.0)
         k2 = tl.load(pk + HALF, mask=mk, other=0.0)
-        cp = COS + b * sc_b + t * sc_t + d
-        sp = SIN + b * ss_b + t * ss_t + d
-        c1 = tl.load(cp, mask=dmask, other=0.0).to(tl.float32)[None, :]
-        c2 = tl.load(cp + HALF, mask=dmask, other=0.0).to(tl.float32)[None, :]
-        s1 = tl.load(sp, mask=dmask, other=0.0).to(tl.float32)[None, :]
-        s2 = tl.load(sp + HALF, mask=dmask, other=0.0).to(tl.float32)[None, :]
+        c1, c2, s1, s2 = token_cos_sin(COS, SIN, b, t, sc_b, sc_t, ss_b, ss_t, d, dmask, HALF)
         if BACKWARD:
             sb = -s2
             se = -s1
@@ -203,7 +209,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
 def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
           inverse: bool = False) -> None:
     """Rotate q [B, T, Hq, D] and k [B, T, Hk, D] in place, no autograd (the hand-written layer
-    backward, model/fused_layer.py); inverse=True applies the transposed rotation (backward)."""
+    backward, leantune.engine); inverse=True applies the transposed rotation (backward)."""
     if use_triton(q):
         _launch(q, k, _rows_ok(cos), _rows_ok(sin), backward=inverse)
         return

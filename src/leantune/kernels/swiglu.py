@@ -27,6 +27,7 @@ except ImportError:  # the package works without Triton (reference path only)
     triton = None
 
 _SILU, _GELU_TANH, _GELU_ERF = 0, 1, 2
+ACTS = {"silu": _SILU, "gelu_tanh": _GELU_TANH, "gelu": _GELU_ERF}  # the kernels' codes
 _BLOCK = 1024     # elements per program: 8 per thread at 4 warps -> 16-byte bf16 accesses
 _NUM_WARPS = 4
 
@@ -175,6 +176,25 @@ def geglu_triton(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh"
     return _GLUFunction.apply(gate, up, _GELU_TANH if approximate == "tanh" else _GELU_ERF)
 
 
+def act_code(hidden_act: str) -> int | None:
+    """The GLU kernels' code for a config's `hidden_act` (silu; gelu, exact; gelu_pytorch_tanh
+    and other tanh-approximated gelus), or None where there is none."""
+    if not isinstance(hidden_act, str):
+        return None
+    if hidden_act == "silu":
+        return ACTS["silu"]
+    if hidden_act.startswith("gelu"):
+        return ACTS["gelu_tanh"] if "tanh" in hidden_act else ACTS["gelu"]
+    return None
+
+
+def glu(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
+    """act(gate) * up for an `act_code`, gate/up: [..., I] (autograd)."""
+    if act == _SILU:
+        return swiglu(gate, up)
+    return geglu(gate, up, "tanh" if act == _GELU_TANH else "none")
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, gate/up: [..., I]. Triton kernel or reference, per `dispatch.use_triton`."""
     if use_triton(gate):
@@ -190,9 +210,8 @@ def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> to
 
 
 # ------------------------------------------------------------------------------------------------
-# Plain functions (no autograd), for the hand-written decoder-layer backward (model/fused_layer.py)
+# Plain functions (no autograd), for the hand-written decoder-layer backward (leantune.engine)
 # ------------------------------------------------------------------------------------------------
-ACTS = {"silu": _SILU, "gelu_tanh": _GELU_TANH, "gelu": _GELU_ERF}
 
 
 def _act_reference(g: torch.Tensor, act: int) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """LoRA: the adaptable projection layer, adapter configuration, and PEFT-format I/O."""
 
-from .config import ALL_TARGETS, TARGETS, LoRAConfig, apply_lora, lora_layers, trainable_parameters
+from .config import ALL_TARGETS, TARGETS, LoRAConfig, apply_lora, lora_layers
 from .layer import LoRALinear
 from .peft_io import load_adapter, save_adapter
 
 __all__ = ["ALL_TARGETS", "TARGETS", "LoRAConfig", "LoRALinear", "apply_lora", "lora_layers",
-           "trainable_parameters", "load_adapter", "save_adapter"]
+           "load_adapter", "save_adapter"]

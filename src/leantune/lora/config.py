@@ -74,6 +74,3 @@ def apply_lora(model, cfg: LoRAConfig, seed: int | None = None,
     model.lora_config = cfg
     return names
 
-
-def trainable_parameters(model):
-    return [p for p in model.parameters() if p.requires_grad]

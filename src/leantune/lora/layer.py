@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..kernels.lora import lora_linear
+from .function import lora_linear
 
 
 def lora_scaling(r: int, alpha: float, use_rslora: bool = False) -> float:
@@ -66,7 +66,7 @@ class LoRALinear(nn.Module):
         if self.lora_A is None:
             return F.linear(x, self.base_weight(), self.bias)
         if isinstance(self.lora_dropout, nn.Identity) or not self.training:
-            # base matmul + LoRA product in one autograd Function (kernels/lora.py)
+            # base matmul + LoRA product in one autograd Function (lora/function.py)
             return lora_linear(x, self.base_weight(), self.bias, self.lora_A.weight,
                                self.lora_B.weight, self.scaling)
         # Adapters may be kept in fp32 (master weights) under a bf16 base: compute in x.dtype.

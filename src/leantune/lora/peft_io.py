@@ -22,6 +22,16 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 
 
+def parse_key(key: str) -> tuple[str, str]:
+    """A PEFT adapter tensor name -> (module name as in the model, "A" or "B"), e.g.
+    "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" ->
+    ("model.layers.0.self_attn.q_proj", "A"); PEFT's in-memory adapter name (".default.")
+    is dropped."""
+    name = key[len(PREFIX):] if key.startswith(PREFIX) else key
+    mod, _, which = name.replace(".default.", ".").rpartition(".lora_")
+    return mod, "A" if which.startswith("A") else "B"
+
+
 def adapter_state_dict(model) -> dict[str, torch.Tensor]:
     """PEFT-named LoRA tensors (contiguous, on the CPU)."""
     out = {}
@@ -111,14 +121,12 @@ def load_adapter(model, adapter_dir: str | os.PathLike) -> LoRAConfig:
     layers = dict(lora_layers(model))
     filled = 0
     for key, t in tensors.items():
-        name = key[len(PREFIX):] if key.startswith(PREFIX) else key
-        name = name.replace(".default.", ".")  # PEFT's in-memory adapter name, if present
-        mod_name, _, which = name.rpartition(".lora_")
+        mod_name, which = parse_key(key)
         layer = layers.get(mod_name)
         if layer is None or not layer.has_lora:
             raise LeantuneError(f"{path}: tensor {key} does not match any adapted layer of "
                                 "this model; is it the adapter of another base model?")
-        target = layer.lora_A if which.startswith("A") else layer.lora_B
+        target = layer.lora_A if which == "A" else layer.lora_B
         if target.weight.shape != t.shape:
             raise LeantuneError(f"{path}: {key} has shape {tuple(t.shape)}, expected "
                                 f"{tuple(target.weight.shape)}")

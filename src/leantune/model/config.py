@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import LeantuneError
+from ..kernels.swiglu import act_code
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -94,6 +95,10 @@ class ModelConfig:
             if layer_types and "sliding_attention" not in layer_types:
                 layer_types = []
             llama_bias = bool(d.get("attention_bias", False))
+            act = d.get("hidden_act", "silu")
+            if act_code(act) is None:  # (not a string, or no kernel for it)
+                raise LeantuneError(f"{source}: hidden_act {act!r} is not supported (supported: "
+                                    "silu, gelu, gelu_pytorch_tanh)")
             return cls(
                 model_type=mt,
                 vocab_size=int(d["vocab_size"]),
@@ -112,7 +117,7 @@ class ModelConfig:
                 o_bias=llama_bias if mt in ("llama", "mistral") else False,
                 mlp_bias=bool(d.get("mlp_bias", False)),
                 qk_norm=mt == "qwen3",
-                hidden_act=d.get("hidden_act", "silu"),
+                hidden_act=act,
                 sliding_window=int(sliding) if sliding else None,
                 layer_types=layer_types,
                 bos_token_id=d.get("bos_token_id"),

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
+from ..engine.options import EngineOptions
 from ..errors import LeantuneError
 
 
@@ -42,17 +43,29 @@ class TrainConfig:
     seed: int = 42
     device: str | None = None  # default cuda if available
     dtype: str | None = None  # bfloat16 | float16 | float32; default by device
-    checkpointing: str = "auto"  # auto | none | recompute | offload
-    fused_layers: bool = True  # hand-written layer backward (off: autograd + torch checkpoint)
+    activations: str = "auto"  # what layers keep for backward: auto | keep | recompute | offload
     offload_embedding: bool = True  # frozen, untied input embedding in pinned host memory (CUDA)
-    max_memory_gib: float | None = None  # GPU memory the run may use (auto checkpointing)
+    max_memory_gib: float | None = None  # GPU memory the run may use (auto activations)
     compile: bool = False  # torch.compile each decoder layer
     progress: bool = True
-    extra: dict = field(default_factory=dict, repr=False)
+    # engine options (leantune.engine.options.EngineOptions: what each means)
+    kernels: str = "auto"
+    fused_layers: bool = True
+    attention: str = "auto"
+    pack_projections: bool = True
+    pack_lora: bool = True
+    pack_align: int = 64
+    mlp_chunk_mib: float = 256.0
+    mlp_forward_chunk_factor: float = 2.0
+    link_gbs: float = 50.0
 
     @classmethod
     def keys(cls) -> set[str]:
-        return {f.name for f in fields(cls)} - {"extra"}
+        return {f.name for f in fields(cls)}
+
+    def engine_options(self) -> EngineOptions:
+        """The engine options this config sets (checked: a bad value is a one-line error)."""
+        return EngineOptions.from_dict({k: getattr(self, k) for k in EngineOptions().to_dict()})
 
     def validate(self) -> "TrainConfig":
         if self.max_seq_len <= 0:
@@ -77,11 +90,12 @@ class TrainConfig:
             raise LeantuneError(f"--eval-fraction must be in [0, 1), got {self.eval_fraction}")
         if self.schedule not in ("cosine", "linear", "constant"):
             raise LeantuneError(f"--schedule must be cosine, linear or constant, got {self.schedule!r}")
-        if self.checkpointing not in ("auto", "none", "recompute", "offload"):
-            raise LeantuneError(f"--checkpointing must be auto, none, recompute or offload, "
-                                f"got {self.checkpointing!r}")
+        if self.activations not in ("auto", "keep", "recompute", "offload"):
+            raise LeantuneError(f"--activations must be auto, keep, recompute or offload, "
+                                f"got {self.activations!r}")
         if self.dtype not in (None, "bfloat16", "float16", "float32"):
             raise LeantuneError(f"--dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
+        self.engine_options()
         return self
 
 

@@ -26,7 +26,7 @@ import torch
 from ..errors import LeantuneError
 from ..lora import LoRAConfig, apply_lora, save_adapter
 from ..model.loader import DTYPES, default_dtype, load_model
-from ..utils.io import atomic_write_text
+from ..utils.io import atomic_write_json, atomic_write_text
 from .checkpoint import (
     CKPT_DIR,
     _rng_state,
@@ -39,7 +39,8 @@ from .config import TrainConfig
 from .metrics import MetricsWriter, Progress
 from .schedule import lr_factor
 
-RUN_MARKERS = ("adapter_config.json", "adapter_model.safetensors", "metrics.jsonl", CKPT_DIR,
+RUN_CONFIG = "run_config.json"  # the run's settings (run_settings), written when training starts
+RUN_MARKERS = ("adapter_config.json", "adapter_model.safetensors", "metrics.jsonl", CKPT_DIR, RUN_CONFIG,
                "model.safetensors.index.json")
 
 
@@ -109,6 +110,13 @@ class Trainer:
 
     # --- setup ---------------------------------------------------------------------------------
     def _setup_trainable(self) -> None:
+        """Trainable parameters (LoRA adapters, or everything with --full), then how the layers
+        run: the engine's executors with a plan per layer for the memory budget."""
+        from .. import kernels
+        from ..engine import Engine, compile_layers, lora_ranks
+        from ..engine.planner import (BudgetTooSmall, Workload, describe, gpu_budget_bytes,
+                                      plan_memory, policy_plans)
+
         cfg, m = self.cfg, self.model
         if cfg.full:
             for p in m.parameters():
@@ -119,63 +127,73 @@ class Trainer:
             # fp32 adapter masters under a half-precision base
             apply_lora(m, lcfg, seed=cfg.seed, dtype=torch.float32)
         self.params = [p for p in m.parameters() if p.requires_grad]
-        policy = cfg.checkpointing
-        from .memory import (describe, gpu_budget_bytes, least_plan_bytes, plan_layers,
-                             policy_plans)
-
-        L = m.config.num_hidden_layers
-        if cfg.offload_embedding and self.device.type == "cuda" and m.offload_embedding():
+        options, overridden = cfg.engine_options().with_env_overrides()
+        if overridden:
+            self.log(f"engine options from the environment: "
+                     f"{', '.join(f'{k}={getattr(options, k)}' for k in overridden)}")
+        self.engine_options = options
+        kernels.set_backend(options.kernels)
+        self.engine = Engine(options)
+        cuda = self.device.type == "cuda"
+        if cfg.offload_embedding and cuda and m.offload_embedding():
             torch.cuda.empty_cache()
             self.log("input embedding: in pinned host memory (--no-offload-embedding keeps it "
                      "on the GPU)")
-        m.fused = cfg.fused_layers
-        if cfg.compile:
-            m.compile_layers()  # (switches the fused layers off)
-        # why layers run under autograd instead of the fused layer backward (None: they don't)
-        unsupported = ("--no-fused-layers" if not cfg.fused_layers else
-                       "--compile" if cfg.compile else m.fused_unsupported())
-        if m.fused and self.device.type == "cuda" and unsupported is None:
-            m.pack_projections(all_layers=True)  # on CUDA every fused layer runs packed:
-            # pack before measuring memory (the LoRA columns add ~1% to the packed weights)
-        if policy == "auto" and self.device.type == "cuda":
+        # why the layers run under autograd instead of the fused layer backward (None: they don't)
+        autograd_why = ("--compile" if cfg.compile else
+                        "--no-fused-layers" if not options.fused_layers else
+                        self.engine.fused_unsupported(m))
+        if autograd_why is not None and not (cfg.compile or not options.fused_layers):
+            self.log(f"note: the layers run under autograd, not leantune's fused layers "
+                     f"({autograd_why}): slower and more activation memory (Llama-3.1-8B on an "
+                     f"H200: 11.5k tok/s at 19.0 GiB instead of 14.2k at 16.7 GiB); "
+                     + ("use --lora-dropout 0 for the fused path" if "dropout" in autograd_why
+                        else "LoRA on a frozen base takes the fused path"))
+        if cuda and autograd_why is None:
+            self.engine.pack(m)  # the LoRA columns add ~1% to the packed weights: pack before
+            # memory is measured
+        L = m.config.num_hidden_layers
+        itemsize = torch.finfo(self.dtype).bits // 8
+        work = Workload(m.config, cfg.batch_size * cfg.max_seq_len, itemsize,
+                        lora_ranks=lora_ranks(m.layers[0]), autograd=autograd_why is not None,
+                        options=options)
+        policy = cfg.activations
+        if policy == "auto" and cuda:
             # fixed: weights (allocated now) + fp32 grads and two AdamW moments of trainables
             fixed = torch.cuda.memory_allocated(self.device) + sum(
                 3 * 4 * p.numel() for p in self.params)
-            tokens = cfg.batch_size * cfg.max_seq_len
             budget = gpu_budget_bytes(self.device, cfg.max_memory_gib)
-            itemsize = torch.finfo(self.dtype).bits // 8
-            plans = plan_layers(m.config, tokens, budget, fixed, itemsize=itemsize,
-                                autograd=unsupported is not None)
+            try:
+                mem = plan_memory(work, budget, fixed)
+            except BudgetTooSmall as e:
+                raise LeantuneError(budget_message(cfg, budget, e)) from None
+            plans = mem.layers
+            m.loss_chunk_bytes = mem.loss_chunk_bytes
             policy = f"auto ({describe(plans)})"
-            least = fixed + least_plan_bytes(m.config, tokens, itemsize,
-                                             autograd=unsupported is not None)
-            if least > budget:
-                self.log(f"note: this run needs about {least / 2**30:.1f} GiB of GPU memory at "
-                         f"least (weights and optimizer state {fixed / 2**30:.1f} GiB), more "
-                         f"than the {budget / 2**30:.1f} GiB allowed; it may run out of memory: "
-                         f"raise --max-memory-gib, or lower --batch-size or --max-seq-len")
         else:
             if policy == "auto":
-                policy = "none"
-            if policy == "offload" and self.device.type != "cuda":
-                raise LeantuneError("--checkpointing offload needs a CUDA device (it copies "
-                                    "activations to pinned host memory); use recompute or none")
-            if policy == "offload" and unsupported:
-                self.log(f"note: --checkpointing offload needs the fused layer path, which "
-                         f"this run can't take ({unsupported}); recomputing instead")
+                policy = "keep"
+            if policy == "offload" and not cuda:
+                raise LeantuneError("--activations offload needs a CUDA device (it copies "
+                                    "activations to pinned host memory); use recompute or keep")
+            if policy == "offload" and autograd_why:
+                self.log(f"note: --activations offload needs the fused layer path, which "
+                         f"this run can't take ({autograd_why}); recomputing instead")
                 policy = "recompute"
             plans = policy_plans(policy, L)
-            if policy == "none" and self.device.type != "cuda":
+            if policy == "keep" and not cuda:
                 plans = [None] * L  # on the CPU plain autograd is faster (measured: the demo)
-        m.set_layer_plans(plans)
-        m.pack_projections()
-        self.checkpoint_policy = policy
+        if cfg.compile:
+            compile_layers(m)  # compiled layers run plainly, keeping every activation
+        else:
+            self.engine.attach(m, plans)
+        self.activation_policy = policy
         m.train()
         n_train = sum(p.numel() for p in self.params)
         n_all = sum(p.numel() for p in m.parameters())
         self.log(f"trainable parameters: {n_train:,} of {n_all:,} ({100 * n_train / n_all:.2f}%)"
                  f"  [{'full' if cfg.full else 'LoRA r=%d' % cfg.lora_r}, {self.dtype}, "
-                 f"{self.device}, activation checkpointing: {policy}]")
+                 f"{self.device}, activations: {policy}]")
 
     def _setup_data(self, train_data, eval_data) -> None:
         from ..data import PackedLoader, SFTDataset
@@ -262,7 +280,7 @@ class Trainer:
         loss_total = torch.zeros((), device=self.device, dtype=torch.float32)
         for b in micro_batches:
             b = b.to(self.device)
-            loss_sum = self.model.loss_sum(b)
+            loss_sum = self.model(batch=b, loss_only=True).loss_sum
             loss = loss_sum / n_target
             (self.scaler.scale(loss) if self.scaler else loss).backward()
             loss_total += loss_sum.detach()
@@ -286,14 +304,21 @@ class Trainer:
         total = torch.zeros((), device=self.device, dtype=torch.float32)
         n = 0
         for batch in self.eval_loader:
-            total += self.model.loss_sum(batch.to(self.device))
+            total += self.model(batch=batch.to(self.device), loss_only=True).loss_sum
             n += batch.num_target_tokens
         self.model.train()
         return (total / max(n, 1)).item()
 
     # --- the loop ------------------------------------------------------------------------------
+    def run_settings(self) -> dict:
+        """The settings this run trains with: its config and the engine options in effect
+        (written to run_config.json and into every checkpoint)."""
+        return {"config": asdict(self.cfg), "engine_options": self.engine_options.to_dict(),
+                "activations": self.activation_policy}
+
     def train(self) -> TrainResult:
         cfg = self.cfg
+        atomic_write_json(self.output / RUN_CONFIG, self.run_settings())
         if cfg.resume:  # drop records a crash left after the checkpoint: they are redone
             drop_metrics_after(self.output / "metrics.jsonl", self.step)
         metrics = MetricsWriter(self.output / "metrics.jsonl", append=cfg.resume)
@@ -371,7 +396,7 @@ class Trainer:
         state = {"data": self.loader.state_dict(), "tokens_seen": self.tokens_seen,
                  "first_eval_loss": self.first_eval_loss,
                  "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-                 "config": {k: v for k, v in asdict(self.cfg).items() if k != "extra"}}
+                 **self.run_settings()}
         return save_checkpoint(self.output, self.step, self.model, self.optimizer, state,
                                keep=self.cfg.keep_checkpoints)
 
@@ -385,6 +410,16 @@ class Trainer:
             save_adapter(self.model, self.output, base_model_name=self.cfg.model)
         if self.tokenizer is not None and hasattr(self.tokenizer, "save_pretrained"):
             self.tokenizer.save_pretrained(str(self.output))
+
+
+def budget_message(cfg: TrainConfig, budget: float, e) -> str:
+    """One line for a memory budget no plan fits (planner.BudgetTooSmall `e`)."""
+    what = (f"--max-memory-gib {cfg.max_memory_gib:g}" if cfg.max_memory_gib
+            else f"this GPU's {budget / 2**30:.1f} GiB")
+    return (f"{what} is too little for this run: it needs at least {e.least_bytes / 2**30:.2f} "
+            f"GiB (weights and optimizer state {e.fixed_bytes / 2**30:.2f} GiB, "
+            f"{cfg.batch_size} x {cfg.max_seq_len} tokens a micro-batch); raise "
+            "--max-memory-gib, or lower --batch-size or --max-seq-len")
 
 
 def drop_metrics_after(path: Path, step: int) -> None:

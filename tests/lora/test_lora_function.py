@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from leantune.kernels.lora import _LoRALinearFunction, lora_linear_reference
+from leantune.lora.function import _LoRALinearFunction, lora_linear_reference
 
 # fp32: the same matmuls in another order -> rounding only. bf16: addmm fuses the add in the
 # GEMM epilogue (one rounding instead of two), so allow bf16 resolution.

@@ -1,4 +1,4 @@
-"""LoRA autograd: the base matmul and the LoRA product in one Function.
+"""LoRA linear as one autograd Function in plain PyTorch (no Triton): the base matmul and the LoRA product.
 
     y = x @ W^T + b + s * (x @ A^T) @ B^T          x: [N, in], W: [out, in] (frozen),
                                                      A: [r, in], B: [out, r], s: scaling
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .dispatch import get_backend
+from ..kernels.dispatch import get_backend
 
 
 def lora_linear_reference(x, weight, bias, lora_a, lora_b, scaling: float):

@@ -1,0 +1,449 @@
+"""Layer executors: how a DecoderLayer runs while gradients are recorded.
+
+`FusedExecutor` runs the layer as one autograd node with a hand-written backward (selective
+recompute and offloaded activations for LoRA training): forward runs without building a graph
+and keeps only what the layer's `LayerPlan` asks for; backward recomputes the rest and
+back-propagates by hand through our kernels (RMSNorm, q/k norm + RoPE, GLU), cuBLAS and flash
+or cuDNN attention. Per layer, with x: [N, H] (N = B*T tokens),
+h_mid = x + attn(norm1(x)), out = h_mid + mlp(norm2(h_mid)), the keep levels (`Keep`):
+
+    INPUT       x                                    backward recomputes norm1, q/k/v, q/k
+                                                     norm and RoPE, attention, o, norm2, gate/up
+    ATTENTION   x, h_mid, q/k/v, attention output    backward recomputes norm1, norm2, gate/up
+                (+ its softmax statistics)           (and, off the flash and cuDNN paths, attention)
+    ALL         ATTENTION + gate and up              backward recomputes the norms (the activation
+                                                     comes out of the GLU backward)
+
+What each level keeps, and its bytes, is `Kept` below (the planner asks `FusedExecutor` for
+them). The down projection is never recomputed (its output is not needed in backward), nor,
+from ATTENTION up, the o projection. Kept tensors stay on the GPU or, with `offload`, are copied
+to pinned host memory on a side stream as soon as they exist and copied back one layer ahead
+during backward (engine/activation_store.py). The MLP runs over row chunks when its
+[rows, intermediate] tensors would be large, so its working set stays small.
+
+Gradients: LoRA A/B only (engine/projections.py), accumulated in the adapters' dtype (fp32
+masters in the Trainer); base weights and norms are frozen. Kept tensors are let go as soon as
+backward is done with them (gate/up after the MLP), not when the layer ends.
+
+`CheckpointExecutor` is the autograd path's recompute (torch.utils.checkpoint around the
+layer's plain forward), for layers the fused path cannot take (`fused_unsupported`).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from ..kernels.qk_norm_rope import qk_norm_rope_bwd_, qk_norm_rope_fwd
+from ..kernels.rmsnorm import rms_norm_bwd, rms_norm_fwd
+from ..kernels.rope import rope_
+from ..kernels.swiglu import glu_bwd_, glu_fwd
+from ..model.attention import AttentionMeta
+from .activation_store import ActivationStore
+from .attention import AttentionBackend
+from .options import EngineOptions
+from .projections import ProjectionGroup
+from .weights import DenseWeights, layer_groups
+
+
+class Keep(enum.IntEnum):
+    """What a layer keeps for backward (module docstring); ordered: more keeps more."""
+
+    INPUT = 0
+    ATTENTION = 1
+    ALL = 2
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What one layer keeps for backward and where (offload: in pinned host memory)."""
+
+    keep: Keep = Keep.INPUT
+    offload: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "keep", Keep(self.keep))  # a bare 0/1/2 becomes its level
+
+
+@dataclass
+class Kept:
+    """The tensors one layer keeps for backward (N tokens, H hidden, D head_dim, I intermediate,
+    R = LoRA ranks of the group; the compute dtype unless noted):
+
+        x        [N, H]                layer input                                  every level
+        h_mid    [N, H]                x + attention's o projection                 ATTENTION+
+        qkv      [N, (Hq + 2 Hk) D]    q, k (rotated; before the q/k norm where the layer has
+                                       one: it is redone in backward) and v          ATTENTION+
+        attn     [N, Hq D]             attention output                             ATTENTION+
+        attn_state                     its softmax statistics, fp32 [Hq, N]: stays
+                                       on the GPU (small), None off flash/cuDNN      ATTENTION+
+        xa_qkv, xa_gu, xa_down [N, R]  LoRA input products x A^T of each packed
+                                       group (packed with LoRA columns only)         ATTENTION+
+        gu       [N, 2 I]              gate | up projections                        ALL
+    """
+
+    x: torch.Tensor
+    h_mid: torch.Tensor | None = None
+    qkv: torch.Tensor | None = None
+    attn: torch.Tensor | None = None
+    attn_state: object = None
+    xa_qkv: torch.Tensor | None = None
+    xa_gu: torch.Tensor | None = None
+    xa_down: torch.Tensor | None = None
+    gu: torch.Tensor | None = None
+
+    @staticmethod
+    def bytes_per_token(cfg, keep: Keep, itemsize: int = 2, lora_ranks: int = 0) -> int:
+        """Bytes per token the fields above hold at `keep` (lora_ranks: the LoRA columns of the
+        three packed groups together; the attention statistics count at 4 bytes per q head)."""
+        values = cfg.hidden_size
+        extra = 0
+        if keep >= Keep.ATTENTION:
+            values += cfg.hidden_size + 2 * cfg.q_size + 2 * cfg.kv_size + lora_ranks
+            extra = AttentionBackend.state_bytes_per_token(cfg.num_attention_heads)
+        if keep >= Keep.ALL:
+            values += 2 * cfg.intermediate_size
+        return itemsize * values + extra
+
+
+def _autocast_on() -> bool:
+    try:
+        return torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu")
+    except TypeError:  # torch < 2.4: no device argument
+        return torch.is_autocast_enabled()
+
+
+def fused_unsupported(layer) -> str | None:
+    """Why `layer` can't take the fused path (None if it can)."""
+    if _autocast_on():
+        return "torch.autocast"
+    for name, p in layer.named_parameters():
+        if "lora_" not in name and p.requires_grad:
+            return f"trainable base weight {name}"
+    for mods in layer_groups(layer):
+        for proj in mods:
+            if proj.has_lora and not isinstance(proj.lora_dropout, torch.nn.Identity):
+                return "LoRA dropout"
+    return None
+
+
+def lora_params(layer) -> list[torch.nn.Parameter]:
+    """The layer's trainable LoRA weights, in the order the fused Function takes them."""
+    out = []
+    for mods in layer_groups(layer):
+        for proj in mods:
+            if proj.has_lora:
+                out += [proj.lora_A.weight, proj.lora_B.weight]
+    return [p for p in out if p.requires_grad]
+
+
+def lora_ranks(layer) -> int:
+    """LoRA columns of the layer's packed groups (q/k/v, gate/up, down) together."""
+    qkv, _, gu, down = layer_groups(layer)
+    return sum(m.r for m in (*qkv, *gu, *down) if m.has_lora)
+
+
+class FusedExecutor:
+    """Runs a layer by hand with `plan` (module docstring). Shared by every layer of a model:
+    the store, the weight provider and the attention backend (engine/__init__.Engine)."""
+
+    kind = "fused"
+
+    def __init__(self, plan: LayerPlan, store: ActivationStore, weights: DenseWeights,
+                 attention: AttentionBackend, options: EngineOptions):
+        self.plan, self.store, self.weights = plan, store, weights
+        self.attention, self.options = attention, options
+
+    def __call__(self, layer, x, cos, sin, meta: AttentionMeta) -> torch.Tensor:
+        return _LayerRun(self, layer, cos, sin, meta)(x)
+
+    # --- what the planner asks ---------------------------------------------------------------
+    @staticmethod
+    def kept_bytes(cfg, tokens: int, keep: Keep, itemsize: int = 2, lora_ranks: int = 0) -> int:
+        """GPU (or host) bytes one layer keeps for backward at `keep`."""
+        return tokens * Kept.bytes_per_token(cfg, keep, itemsize, lora_ranks)
+
+    @staticmethod
+    def rebuilt_bytes(cfg, tokens: int, itemsize: int = 2, lora_ranks: int = 0) -> int:
+        """What backward holds of a layer that kept less than its attention state: it rebuilds
+        that state first (ATTENTION's bytes)."""
+        return FusedExecutor.kept_bytes(cfg, tokens, Keep.ATTENTION, itemsize, lora_ranks)
+
+    @staticmethod
+    def mlp_chunk_bytes(cfg, tokens: int, options: EngineOptions, itemsize: int = 2,
+                        forward: bool = False) -> int:
+        """The MLP row chunk's working bytes: in backward gate | up and the down projection's
+        input gradient, in forward gate | up and the down projection's input (chunks
+        mlp_forward_chunk_factor times larger)."""
+        one = tokens * cfg.intermediate_size * itemsize  # one [tokens, intermediate] tensor
+        limit = options.mlp_chunk_bytes * (options.mlp_forward_chunk_factor if forward else 1)
+        return 3 * min(one, int(limit))
+
+    @staticmethod
+    def qk_norm_bytes(cfg, tokens: int, itemsize: int = 2) -> int:
+        """Layers with a q/k norm hold normed, rotated copies of q and k while attention runs
+        (forward, and backward where it is redone)."""
+        return tokens * itemsize * (cfg.q_size + cfg.kv_size) if cfg.qk_norm else 0
+
+    @staticmethod
+    def forward_flops(cfg, tokens: int) -> float:
+        """Matmul FLOPs of one layer's forward over `tokens` tokens (projections only)."""
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        return 2.0 * tokens * (h * (2 * cfg.q_size + 2 * cfg.kv_size) + 3 * h * i)
+
+
+class _LayerRun:
+    """One layer's forward/backward within one model forward (made per call, dropped after its
+    backward)."""
+
+    def __init__(self, ex: FusedExecutor, layer, cos, sin, meta: AttentionMeta):
+        self.ex, self.layer, self.cos, self.sin, self.meta = ex, layer, cos, sin, meta
+        self.plan = ex.plan
+        self.handle = None
+        self.params = lora_params(layer)
+        self.in_graph = True  # whether autograd will call backward (set per call)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # Without a trainable input or weight autograd never calls this layer's backward (e.g.
+        # lower layers frozen): keep nothing, so no tensors are held, offloaded or prefetched for
+        # a backward that never comes (a prefetch never waited for would free its GPU buffers
+        # while the side stream still writes them).
+        self.in_graph = torch.is_grad_enabled() and (x.requires_grad or bool(self.params))
+        return _FusedLayerFunction.apply(x, self, *self.params)
+
+    # --- pieces ------------------------------------------------------------------------------
+    def _groups(self, dtype):
+        qkv, o, gu, down = layer_groups(self.layer)
+        w = self.ex.weights
+        # o stays unpacked: its input comes from attention, which writes its own buffer
+        self.qkv = ProjectionGroup(qkv, dtype, w, pack=True)
+        self.o = ProjectionGroup(o, dtype, w, pack=False)
+        self.gu = ProjectionGroup(gu, dtype, w, pack=True)
+        self.down = ProjectionGroup(down, dtype, w, pack=True)
+
+    def _drop_groups(self):
+        self.qkv = self.o = self.gu = self.down = None
+
+    def _normed(self, norm, x2: torch.Tensor, group: ProjectionGroup,
+                xa: torch.Tensor | None = None):
+        """norm(x2) in a new input buffer of `group`, x A^T filled in (computed, or copied from
+        `xa` kept by the forward) -> (X, rstd)."""
+        X = group.new_input(x2.shape[0], x2)
+        _, rstd = rms_norm_fwd(x2, norm.weight, norm.eps, norm.offset, out=X[:, :x2.shape[1]])
+        group.fill_lora(X, xa)
+        return X, rstd
+
+    def _split_qkv(self, qkv: torch.Tensor, shape):
+        """[N, (Hq + 2 Hk) D] -> q [B, T, Hq, D], k, v [B, T, Hk, D] (views)."""
+        B, T, _ = shape
+        at = self.layer.self_attn
+        q, k, v = self.qkv.split(qkv)
+        return (q.view(B, T, at.num_heads, at.head_dim),
+                k.view(B, T, at.num_kv_heads, at.head_dim),
+                v.view(B, T, at.num_kv_heads, at.head_dim))
+
+    def _rotated(self, qkv: torch.Tensor, shape, in_place: bool):
+        """q, k as attention reads them (q/k norm where the layer has one, then RoPE) and v.
+        Without a q/k norm q and k rotate in place (when `in_place`: qkv is then the kept
+        rotated form); with one, the normed and rotated q, k are a new buffer and qkv keeps
+        the raw projections."""
+        q4, k4, v4 = self._split_qkv(qkv, shape)
+        at = self.layer.self_attn
+        if at.q_norm is not None:
+            q4, k4 = qk_norm_rope_fwd(q4, k4, at.q_norm.weight, at.k_norm.weight,
+                                      at.q_norm.eps, at.q_norm.offset, self.cos, self.sin)
+        elif in_place:
+            rope_(q4, k4, self.cos, self.sin)
+        return q4, k4, v4
+
+    def _attention(self, x2, shape, for_backward: bool = False):
+        """norm1 -> q, k, v -> (q/k norm) -> RoPE -> attention.
+        Returns X1, rstd1, qkv, (q4, k4, v4) as attention read them, out4, attention state."""
+        at = self.layer.self_attn
+        X1, rstd1 = self._normed(self.layer.input_layernorm, x2, self.qkv)
+        qkv = self.qkv.project(X1)
+        q4, k4, v4 = self._rotated(qkv, shape, in_place=True)
+        out4, state = self.ex.attention.forward(q4, k4, v4, self.meta, at.window, at.scale,
+                                                for_backward)
+        return X1, rstd1, qkv, (q4, k4, v4), out4, state
+
+    def _chunks(self, n: int, whole: bool, itemsize: int = 2, forward: bool = False):
+        """Row slices for the MLP: equal parts, multiples of 256 rows (whole GEMM tiles)."""
+        if n == 0:
+            return [slice(0, 0)]
+        opts = self.ex.options
+        inter = self.layer.mlp.up_proj.out_features
+        limit = opts.mlp_chunk_bytes * (opts.mlp_forward_chunk_factor if forward else 1)
+        parts = 1 if whole else max(1, int(-(-n * itemsize * inter // limit)))
+        rows = -(-n // parts)
+        if parts > 1 and rows > 256:
+            rows = -(-rows // 256) * 256
+        return [slice(r, min(n, r + rows)) for r in range(0, n, rows)]
+
+    # --- forward -----------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, H = x.shape
+        x2 = x.reshape(B * T, H)
+        self._groups(x.dtype)
+        self.act = self.layer.mlp.act
+        inter = self.layer.mlp.up_proj.out_features
+        keep = self.plan.keep
+        X1, _, qkv, qkv4, out4, state = self._attention(x2, x.shape)
+        del qkv4  # (with a q/k norm, its normed copies: not kept)
+        # from ATTENTION on, the LoRA input products x A^T of q/k/v, gate/up and down (R
+        # columns each, ~0.5% of the kept bytes) are kept, so backward does not read the inputs
+        # for them
+        keeps_state = keep >= Keep.ATTENTION and self.in_graph
+        xa_qkv = self.qkv.lora_cols(X1) if keeps_state else None
+        xa_qkv = None if xa_qkv is None else xa_qkv.contiguous()
+        del X1  # the q/k/v input buffer: not needed past attention
+        attn2 = out4.reshape(B * T, -1)  # [N, Hq * D] (a copy only if attention returned a view)
+        h_mid = self.o.project(attn2, resid=x2)
+        del out4
+        if not keeps_state:  # q/k/v and attention's output are done with: free them before
+            del qkv, attn2, state  # the MLP runs
+        X2, _ = self._normed(self.layer.post_attention_layernorm, h_mid, self.gu)
+        out = torch.empty_like(h_mid)
+        xa_down = (x2.new_empty(B * T, self.down.R)
+                   if keeps_state and self.down.has_lora_cols else None)
+        for rows in self._chunks(B * T, keep >= Keep.ALL, x.element_size(), forward=True):
+            gu = self.gu.project(X2[rows])  # [n, 2 I]: gate | up
+            Hb = self.down.new_input(gu.shape[0], gu)
+            glu_fwd(gu[:, :inter], gu[:, inter:], self.act, out=Hb[:, :inter])
+            self.down.fill_lora(Hb)
+            if xa_down is not None:
+                xa_down[rows] = self.down.lora_cols(Hb)
+            self.down.project(Hb, resid=h_mid[rows], out=out[rows])
+            del Hb
+        if not self.in_graph:
+            self._drop_groups()
+            return out.view(B, T, H)
+        kept = Kept(x=x2)
+        if keep >= Keep.ATTENTION:
+            xa_gu = self.gu.lora_cols(X2)
+            kept.h_mid, kept.qkv, kept.attn, kept.attn_state = h_mid, qkv, attn2, state
+            kept.xa_qkv, kept.xa_down = xa_qkv, xa_down
+            kept.xa_gu = None if xa_gu is None else xa_gu.contiguous()  # not a view: X2 is freed
+        del xa_qkv, X2
+        if keep >= Keep.ALL:
+            kept.gu = gu
+        self.handle = self.ex.store.put(kept, self.plan.offload)
+        self.shape = x.shape
+        return out.view(B, T, H)
+
+    # --- backward ----------------------------------------------------------------------------
+    def backward(self, dout: torch.Tensor, need_dx: bool = True
+                 ) -> tuple[torch.Tensor | None, dict]:
+        B, T, H = self.shape
+        N = B * T
+        store = self.ex.store
+        kept = store.get(self.handle)
+        store.prefetch(self.handle.prev)  # load the layer below while this one runs
+        grads: dict = {}
+        dout = dout.reshape(N, H)
+        x2 = kept.x
+        keep = self.plan.keep
+        inter = self.layer.mlp.up_proj.out_features
+        at = self.layer.self_attn
+        # Kept tensors leave `kept` (the store's object) as they are taken, so each is freed as
+        # soon as this backward is done with it (gate/up after the MLP, h_mid after its norm),
+        # not when the whole layer is released: the rest of the layer runs in less memory.
+        if keep == Keep.INPUT:
+            X1, rstd1, qkv, (q4, k4, v4), out4, state = self._attention(x2, self.shape, True)
+            h_mid = self.o.project(out4.reshape(N, -1), resid=x2)
+        else:
+            X1, rstd1 = self._normed(self.layer.input_layernorm, x2, self.qkv, kept.xa_qkv)
+            qkv, h_mid, state = kept.qkv, kept.h_mid, kept.attn_state
+            kept.xa_qkv = kept.qkv = kept.h_mid = kept.attn_state = None
+            q4, k4, v4 = self._rotated(qkv, self.shape, in_place=False)
+            out4 = kept.attn.view(q4.shape)
+            kept.attn = None
+        kept_gu, kept.gu = kept.gu, None
+
+        # MLP: out = h_mid + down(act(gate(xn2)) * up(xn2))
+        X2, rstd2 = self._normed(self.layer.post_attention_layernorm, h_mid, self.gu, kept.xa_gu)
+        xa_down, kept.xa_gu, kept.xa_down = kept.xa_down, None, None
+        # d norm2(h_mid), in a buffer as wide as the gate/up group's input-gradient GEMM writes
+        dxn2 = h_mid.new_empty(N, self.gu.grad_width())
+        for rows in self._chunks(N, keep >= Keep.ALL, dout.element_size()):
+            gu = kept_gu if keep >= Keep.ALL else self.gu.project(X2[rows])
+            kept_gu = None
+            da, ga = self.down.input_grad(dout[rows])
+            # gate, up <- d gate, d up in place; da <- act(gate) * up, the down projection's input
+            glu_bwd_(da, gu[:, :inter], gu[:, inter:], self.act, h_out=da)
+            self.down.lora_grads(da, dout[rows], ga, grads,
+                                 None if xa_down is None else xa_down[rows])
+            del da, ga
+            self.gu.backward(X2[rows], gu, grads, out=dxn2[rows])
+            del gu
+        dxn2 = dxn2[:, :H]
+        post = self.layer.post_attention_layernorm
+        dh_mid = rms_norm_bwd(dxn2, h_mid, post.weight, rstd2, post.offset, residual=dout)
+        del dxn2, X2, h_mid
+
+        # attention: h_mid = x + o(attn(rope(qk_norm(q, k)), v))
+        dattn = self.o.backward(out4.reshape(N, -1), [dh_mid], grads)
+        dq, dk, dv = self.ex.attention.backward(dattn.view(out4.shape), q4, k4, v4, out4, state,
+                                                self.meta, at.window, at.scale)
+        # the q/k norm's backward reads the raw projections: only those layers hold them on
+        q_raw, k_raw, _ = self._split_qkv(qkv, self.shape) if at.q_norm is not None else (
+            None, None, None)
+        del dattn, qkv, q4, k4, v4, out4, state
+        # d q | d k | d v side by side: the q/k/v group's input gradient is one GEMM
+        dqkv = dq.new_empty(N, sum(self.qkv.outs))
+        for dst, src in zip(self._split_qkv(dqkv, self.shape), (dq, dk, dv)):
+            dst.copy_(src)
+        del dq, dk, dv
+        dq4, dk4, _ = self._split_qkv(dqkv, self.shape)
+        if q_raw is not None:  # through RoPE and the q/k norm
+            qk_norm_rope_bwd_(dq4, dk4, q_raw, k_raw, at.q_norm.weight, at.k_norm.weight,
+                              at.q_norm.eps, at.q_norm.offset, self.cos, self.sin)
+            del q_raw, k_raw
+        else:
+            rope_(dq4, dk4, self.cos, self.sin, inverse=True)
+        dxn1 = self.qkv.backward(X1, dqkv, grads, need_dx=need_dx)
+        del dqkv, dq4, dk4
+        dx = None
+        if need_dx:  # not for the first layer: its input is the (frozen) embedding
+            norm = self.layer.input_layernorm
+            dx = rms_norm_bwd(dxn1, x2, norm.weight, rstd1, norm.offset,
+                              residual=dh_mid).view(B, T, H)
+        store.release(self.handle)
+        self.handle = None
+        self._drop_groups()
+        return dx, grads
+
+
+class _FusedLayerFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, run: _LayerRun, *params):
+        ctx.run = run
+        return run.forward(x)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        run = ctx.run
+        if run is None:
+            raise RuntimeError("leantune's fused layers support one backward per forward "
+                               "(retain_graph=True is not supported); train with "
+                               "--no-fused-layers (EngineOptions(fused_layers=False))")
+        ctx.run = None
+        dx, grads = run.backward(dout.contiguous(), need_dx=ctx.needs_input_grad[0])
+        return (dx, None, *[grads.get(p) for p in run.params])
+
+
+class CheckpointExecutor:
+    """The autograd path's recompute: the layer's plain forward under torch.utils.checkpoint
+    (keeps its input, reruns the whole layer in backward)."""
+
+    kind = "checkpoint"
+
+    def __init__(self, plan: LayerPlan):
+        self.plan = plan
+
+    def __call__(self, layer, x, cos, sin, meta: AttentionMeta) -> torch.Tensor:
+        return checkpoint(layer.plain_forward, x, cos, sin, meta, use_reentrant=False)

@@ -1,0 +1,90 @@
+"""EngineOptions: every setting of how the engine executes a model, in one object.
+
+Set from `leantune train`'s flags, the YAML config or TrainConfig (train/config.py), saved with
+the run (run_config.json and each checkpoint's state.json). Environment variables
+(LEANTUNE_<NAME>) override single options for benchmarks and debugging only
+(`with_env_overrides`); the run's saved config records the options actually used.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, fields, replace
+
+from ..errors import LeantuneError
+
+KERNELS = ("auto", "triton", "reference")
+ATTENTION = ("auto", "flash", "sdpa")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """kernels: "auto" (Triton on CUDA tensors, PyTorch elsewhere), "triton" or "reference".
+    fused_layers: hand-written layer backward (False: autograd + torch.utils.checkpoint).
+    attention: backend of the hand-written layers: "auto" (cuDNN for rows of one document,
+        flash varlen for packed rows; the softmax statistics are kept for backward), "flash"
+        (flash everywhere), "sdpa" (attention re-run under autograd in backward: debugging).
+    pack_projections: q/k/v, gate/up and down as one GEMM each over a packed weight.
+    pack_lora: the LoRA term inside those GEMMs (extra K columns holding s * B).
+    pack_align: the packed width is padded to a multiple of this many columns.
+    mlp_chunk_mib: the fused MLP runs in row chunks whose [rows, intermediate] tensors stay under
+        this size in backward, and mlp_forward_chunk_factor times that in forward.
+    link_gbs: the host link rate (GB/s, each way) the planner assumes for offloading."""
+
+    kernels: str = "auto"
+    fused_layers: bool = True
+    attention: str = "auto"
+    pack_projections: bool = True
+    pack_lora: bool = True
+    pack_align: int = 64
+    mlp_chunk_mib: float = 256.0
+    mlp_forward_chunk_factor: float = 2.0
+    link_gbs: float = 50.0
+
+    def __post_init__(self):
+        if self.kernels not in KERNELS:
+            raise LeantuneError(f"--kernels must be one of {', '.join(KERNELS)}, got "
+                                f"{self.kernels!r}")
+        if self.attention not in ATTENTION:
+            raise LeantuneError(f"--attention must be one of {', '.join(ATTENTION)}, got "
+                                f"{self.attention!r}")
+        if self.pack_align < 1:
+            raise LeantuneError(f"pack_align must be 1 or more, got {self.pack_align}")
+        for name in ("mlp_chunk_mib", "mlp_forward_chunk_factor", "link_gbs"):
+            value = getattr(self, name)
+            if not value > 0:  # (also refuses NaN)
+                raise LeantuneError(f"--{name.replace('_', '-')} must be positive, got {value}")
+
+    @property
+    def mlp_chunk_bytes(self) -> int:
+        return int(self.mlp_chunk_mib * 2**20)
+
+    @property
+    def link_bytes_per_s(self) -> float:
+        return self.link_gbs * 1e9
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EngineOptions":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def with_env_overrides(self, environ=os.environ) -> tuple["EngineOptions", list[str]]:
+        """These options with any LEANTUNE_<NAME> variable applied (benchmarks); returns the new
+        options and the names overridden."""
+        changes, names = {}, []
+        for f in fields(self):
+            raw = environ.get(f"LEANTUNE_{f.name.upper()}")
+            if raw is None:
+                continue
+            kind = type(getattr(self, f.name))
+            try:
+                changes[f.name] = (raw not in ("0", "false", "False", "off") if kind is bool
+                                   else kind(raw))
+            except ValueError:
+                raise LeantuneError(f"LEANTUNE_{f.name.upper()}={raw!r} is not a valid "
+                                    f"{kind.__name__}; unset it or fix the value") from None
+            names.append(f.name)
+        return replace(self, **changes), names

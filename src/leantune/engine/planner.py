@@ -1,0 +1,341 @@
+"""Choosing what each layer keeps for backward: the fastest plan whose peak fits the budget.
+
+Per layer a LayerPlan (engine/executor.py) says what is kept (Keep.INPUT, ATTENTION, ALL) and
+whether it is offloaded to pinned host memory. Speed order, fastest first: ALL on the GPU
+(nothing but norms and the activation recomputed), ATTENTION (gate/up recomputed), INPUT
+(everything but down recomputed). Offloading costs GPU time only when the device->host copies
+outrun the forward pass, so a layer that does not fit on the GPU is offloaded with its
+attention state (~4.5 x its input) where the host link keeps up, else its input only.
+
+The bytes come from the executor that runs the layers (FusedExecutor: what `Kept` holds at
+each level, the MLP row chunk, the q/k-norm copies), not from a second description here. A
+plan's peak (plan_peak_bytes) is the largest of the step's phases, not the sum of everything a
+plan keeps: the forward of layer i holds what the layers below keep on the GPU, up to two
+offloaded layers' copies in flight and a layer's working set; the loss holds everything kept
+plus the fused cross-entropy's logits chunk; the backward of layer i holds what the layers below
+keep, its own state (reloaded, if offloaded; rebuilt up to ATTENTION, if it kept only its
+input), the next layer's state being prefetched, and the working set, less the gate/up it kept
+(it back-propagates through them instead of recomputing them). The working set (a layer's
+row-chunked MLP, a few [tokens, hidden] buffers, allocator slack) is HEADROOM_GIB +
+HEADROOM_HIDDEN [tokens, hidden] tensors + the MLP chunk (forward chunks are
+mlp_forward_chunk_factor times the backward's; a layer kept whole runs its MLP in one piece).
+Measured on an H200 (Llama-3.1-8B, 8192 tokens; GiB above weights and optimizer state, model in
+brackets): offloading 1.47 (1.57), the last two layers kept whole 1.87 (2.04), recompute 3.06
+(3.23).
+
+Where memory is short, the cross-entropy's logits chunk shrinks too (plan_memory): it is the
+loss phase's largest transient (256 MiB by default), and smaller chunks cost little time.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from .activation_store import IN_FLIGHT_LAYERS
+from .executor import FusedExecutor, Keep, LayerPlan
+from .options import EngineOptions
+
+# Measured on an H200 (offload, 4 x 2048 tokens): the working set above weights, optimizer state
+# (LoRA grads included) and kept tensors peaked at 0.91 GiB for Llama-3.1-8B (its backward:
+# bench/memory_peak.py) and ~0.5 GiB for Llama-3.2-1B; this model gives 1.01 / 0.60 GiB.
+HEADROOM_GIB = 0.1
+HEADROOM_HIDDEN = 4
+# The forward's matmul rate the planner assumes when it weighs copies against compute
+# (Llama-3.1-8B offloads all 31 layers without waiting; Llama-3.2-1B ran slower offloading every
+# layer's attention state than recomputing).
+FWD_FLOPS_PER_S = 650e12
+
+# The autograd path (no fused layers: LoRA dropout, full fine-tuning, --no-fused-layers,
+# --compile) keeps what autograd saves: ~ACT_FACTOR * (8 hidden + 3 intermediate + 3 kv) values
+# per token per layer (measured on an H200 for Llama-3.2-1B / 3.1-8B shapes), plus a working set
+# of a fixed part and 2.5 layers' activations; layers it does not keep are recomputed from their
+# input (torch.utils.checkpoint).
+ACT_FACTOR = 0.8
+AUTOGRAD_HEADROOM_GIB = 1.5
+AUTOGRAD_HEADROOM_LAYERS = 2.5
+
+# The cross-entropy's logits chunk shrinks to this at the least, halving from the default.
+MIN_LOSS_CHUNK_BYTES = 32 << 20
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a step runs: the model's config, tokens per micro-batch, bytes per activation value,
+    the LoRA columns a layer carries (engine/executor.lora_ranks), the path (fused or autograd)
+    and the engine options."""
+
+    cfg: object
+    tokens: int
+    itemsize: int = 2
+    lora_ranks: int = 0
+    autograd: bool = False
+    options: EngineOptions = field(default_factory=EngineOptions)
+
+
+class BudgetTooSmall(Exception):
+    """No plan fits the budget; `least_bytes`: the least budget one would fit."""
+
+    def __init__(self, least_bytes: float, fixed_bytes: float):
+        super().__init__(f"the least budget a plan fits is {least_bytes / 2**30:.2f} GiB")
+        self.least_bytes, self.fixed_bytes = least_bytes, fixed_bytes
+
+
+@dataclass
+class MemoryPlan:
+    """Per layer what it keeps (None: plain autograd, keeping everything), and the fused
+    cross-entropy's logits chunk (None: its default)."""
+
+    layers: list
+    loss_chunk_bytes: int | None = None
+
+
+def kept_bytes(w: Workload, keep: Keep) -> int:
+    """Bytes one layer keeps for backward at `keep`."""
+    if w.autograd:
+        if keep == Keep.ALL:
+            c = w.cfg
+            return int(ACT_FACTOR * w.itemsize * w.tokens * (
+                8 * c.hidden_size + 3 * c.intermediate_size + 3 * c.kv_size))
+        return w.tokens * w.itemsize * w.cfg.hidden_size  # torch.utils.checkpoint: its input
+    return FusedExecutor.kept_bytes(w.cfg, w.tokens, keep, w.itemsize, w.lora_ranks)
+
+
+def offload_capacity(w: Workload, keep: Keep = Keep.ATTENTION) -> int:
+    """How many layers' state at `keep` the host link takes during one forward without holding
+    it up: all layers' forward time over one layer's copy time, plus the copies still allowed in
+    flight when the forward ends."""
+    L = w.cfg.num_hidden_layers
+    forward_s = L * FusedExecutor.forward_flops(w.cfg, w.tokens) / FWD_FLOPS_PER_S
+    copy_s = kept_bytes(w, keep) / w.options.link_bytes_per_s
+    return min(L, int(forward_s / copy_s) + IN_FLIGHT_LAYERS)
+
+
+def mlp_chunk_bytes(w: Workload, forward: bool = False) -> int:
+    return FusedExecutor.mlp_chunk_bytes(w.cfg, w.tokens, w.options, w.itemsize, forward)
+
+
+def working_set_bytes(w: Workload) -> float:
+    """GPU bytes a layer's step needs beside weights, optimizer state and kept tensors (module
+    docstring): the fused path's, or the autograd path's."""
+    if w.autograd:
+        return (AUTOGRAD_HEADROOM_GIB * 2**30
+                + AUTOGRAD_HEADROOM_LAYERS * kept_bytes(w, Keep.ALL))
+    return (HEADROOM_GIB * 2**30 + HEADROOM_HIDDEN * w.itemsize * w.cfg.hidden_size * w.tokens
+            + mlp_chunk_bytes(w) + FusedExecutor.qk_norm_bytes(w.cfg, w.tokens, w.itemsize))
+
+
+def loss_working_bytes(w: Workload, chunk_bytes: int | None = None) -> float:
+    """GPU bytes the loss needs beside kept tensors: the fused cross-entropy's logits chunk
+    (`chunk_bytes`, default kernels/cross_entropy.CHUNK_BYTES on CUDA), the final norm's
+    output, the hidden states' gradient, slack."""
+    from ..kernels.cross_entropy import CHUNK_BYTES
+
+    limit = CHUNK_BYTES["cuda"] if chunk_bytes is None else chunk_bytes
+    chunk = min(limit, w.tokens * w.cfg.vocab_size * w.itemsize)
+    return (HEADROOM_GIB * 2**30 + HEADROOM_HIDDEN * w.itemsize * w.cfg.hidden_size * w.tokens
+            + chunk)
+
+
+def host_memory_bytes(meminfo: str = "/proc/meminfo") -> int:
+    """Host memory available to this run now (Linux MemAvailable: free plus reclaimable cache),
+    else the machine's physical memory, else 0. Other processes' use (e.g. one per GPU on a
+    multi-GPU host) is already subtracted from MemAvailable."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def plan_peak_bytes(w: Workload, plans: list[LayerPlan],
+                    loss_chunk_bytes: int | None = None) -> float:
+    """GPU bytes beside weights and optimizer state at the step's peak under `plans`: the
+    largest phase (module docstring). On the autograd path every layer's saved tensors live to
+    the end of the forward, so it is all that is kept plus its working set."""
+    kept = [kept_bytes(w, p.keep) for p in plans]
+    gpu = [0 if p.offload else k for p, k in zip(plans, kept)]
+    ws = working_set_bytes(w)
+    if w.autograd:
+        return sum(gpu) + ws
+    k1 = kept_bytes(w, Keep.ATTENTION)
+    # the MLP's part of the working set: row chunks, except in a layer kept whole, which runs it
+    # in one piece (its gate/up [tokens, 2 I] and one [tokens, I] tensor; in backward the kept
+    # gate/up counts in its own state)
+    one = w.tokens * w.cfg.intermediate_size * w.itemsize
+    rest = ws - mlp_chunk_bytes(w)
+    mlp_fwd, mlp_bwd = mlp_chunk_bytes(w, forward=True), mlp_chunk_bytes(w)
+
+    def in_flight(i):  # offloaded layers' copies that may still be under way at layer i
+        return sum(kept[j] for j in range(max(0, i - IN_FLIGHT_LAYERS), i) if plans[j].offload)
+
+    peak, below = 0.0, 0
+    for i, p in enumerate(plans):
+        whole = p.keep == Keep.ALL
+        forward = below + in_flight(i) + rest + (3 * one if whole else mlp_fwd)
+        prefetch = kept[i - 1] if i > 0 and plans[i - 1].offload else 0
+        own = max(kept[i], k1)  # a layer that kept only its input rebuilds its attention state
+        backward = below + own + prefetch + rest + (one if whole else mlp_bwd)
+        peak = max(peak, forward, backward)
+        below += gpu[i]
+    loss = below + in_flight(len(plans)) + loss_working_bytes(w, loss_chunk_bytes)
+    return max(peak, loss)
+
+
+def recompute_flops(w: Workload, plans: list[LayerPlan]) -> float:
+    """Matmul FLOPs a plan spends recomputing in backward: what the planner minimises.
+    INPUT recomputes every projection but down; ATTENTION, gate and up; ALL, none."""
+    c = w.cfg
+    per = {Keep.INPUT: 2.0 * w.tokens * c.hidden_size * (2 * c.q_size + 2 * c.kv_size
+                                                         + 2 * c.intermediate_size),
+           Keep.ATTENTION: 2.0 * w.tokens * c.hidden_size * 2 * c.intermediate_size,
+           Keep.ALL: 0.0}
+    return sum(per[p.keep] for p in plans)
+
+
+def _offloads(w: Workload, keep: Keep, host_bytes: float | None) -> int:
+    """How many first layers may offload their state at `keep`: what the host link carries,
+    where the host has room (leaving it half its memory); never the last layer (its state is
+    needed right after the forward)."""
+    L = w.cfg.num_hidden_layers
+    host = host_memory_bytes() if host_bytes is None else host_bytes
+    if w.autograd or host < 2 * L * kept_bytes(w, keep):
+        return 0
+    return max(0, min(L - 1, offload_capacity(w, keep)))
+
+
+def _base_plans(w: Workload, room: float, host_bytes: float | None,
+                loss_chunk: int | None) -> list[LayerPlan]:
+    """The leanest useful start: every layer keeps its input, the first ones offloaded with
+    their attention state as far as the host link takes it (the most that fit; the peak is not
+    monotone in their number: the second-to-last offloaded layer's copy is still in flight at
+    the loss); else, where even the inputs do not fit, the first ones' inputs offloaded (the
+    most that fit); else, where nothing fits, the leanest of these."""
+    L = w.cfg.num_hidden_layers
+
+    def peak(ps):
+        return plan_peak_bytes(w, ps, loss_chunk)
+
+    inputs = [LayerPlan(Keep.INPUT)] * L
+    offload_state = [[LayerPlan(Keep.ATTENTION, offload=True)] * n + inputs[n:]
+                     for n in range(_offloads(w, Keep.ATTENTION, host_bytes), 0, -1)]
+    offload_inputs = [[LayerPlan(Keep.INPUT, offload=True)] * n + inputs[n:]
+                      for n in range(_offloads(w, Keep.INPUT, host_bytes), 0, -1)]
+    for plans in (*offload_state, inputs, *offload_inputs):
+        if peak(plans) <= room:
+            return plans
+    return min((*offload_state, inputs, *offload_inputs), key=peak)
+
+def plan_layers(w: Workload, budget_bytes: float, fixed_bytes: float,
+                host_bytes: float | None = None,
+                loss_chunk_bytes: int | None = None) -> list[LayerPlan]:
+    """Per layer, the fastest LayerPlan whose peak (plan_peak_bytes) fits `budget_bytes` beside
+    `fixed_bytes` (weights, optimizer state): from the leanest start (_base_plans), the layers
+    that keep only their input and are not offloaded keep their attention state instead, from
+    the last layer down, while it fits; then layers keep everything, from the last layer down
+    (the last layers' tensors are needed first in backward, and they free gate/up before the
+    layers below run). On the autograd path (which cannot offload) layers keep their input
+    (torch.utils.checkpoint) or everything."""
+    L = w.cfg.num_hidden_layers
+    room = budget_bytes - fixed_bytes
+
+    def fits(ps):
+        return plan_peak_bytes(w, ps, loss_chunk_bytes) <= room
+
+    plans = _base_plans(w, room, host_bytes, loss_chunk_bytes)
+    if not w.autograd and any(p.keep == Keep.ATTENTION and p.offload for p in plans):
+        for i in reversed(range(L)):
+            if plans[i].offload:
+                break
+            trial = plans[:i] + [LayerPlan(Keep.ATTENTION)] + plans[i + 1:]
+            if not fits(trial):
+                break
+            plans = trial
+    for i in reversed(range(L)):
+        trial = plans[:i] + [LayerPlan(Keep.ALL)] + plans[i + 1:]
+        if not fits(trial):
+            break
+        plans = trial
+    return plans
+
+
+def _loss_chunks(w: Workload) -> list[int | None]:
+    """The cross-entropy chunk sizes to try: the default, then halves down to the least."""
+    from ..kernels.cross_entropy import CHUNK_BYTES
+
+    chunks, size = [None], CHUNK_BYTES["cuda"] // 2
+    while size >= MIN_LOSS_CHUNK_BYTES:
+        chunks.append(size)
+        size //= 2
+    return chunks
+
+
+def plan_memory(w: Workload, budget_bytes: float, fixed_bytes: float,
+                host_bytes: float | None = None) -> MemoryPlan:
+    """The fastest plan (least recompute, then the largest loss chunk) whose peak fits
+    `budget_bytes` beside `fixed_bytes`. The budget is a promise: where no plan fits, this
+    raises BudgetTooSmall with the least budget that would do."""
+    room = budget_bytes - fixed_bytes
+    best = None
+    for chunk in _loss_chunks(w):
+        plans = plan_layers(w, budget_bytes, fixed_bytes, host_bytes, chunk)
+        if plan_peak_bytes(w, plans, chunk) > room:
+            continue
+        key = recompute_flops(w, plans)
+        if best is None or key < best[0]:
+            best = (key, MemoryPlan(plans, chunk))
+    if best is None:
+        raise BudgetTooSmall(fixed_bytes + least_plan_bytes(w, host_bytes), fixed_bytes)
+    return best[1]
+
+
+def least_plan_bytes(w: Workload, host_bytes: float | None = None) -> int:
+    """GPU bytes beside weights and optimizer state that the leanest plan `plan_memory` can make
+    needs (layers keep their input, or offload their state where the host has room; the least
+    loss chunk): a budget below it runs out of memory."""
+    chunk = _loss_chunks(w)[-1]
+    leanest = _base_plans(w, -1.0, host_bytes, chunk)  # (nothing fits: the leanest start)
+    return math.ceil(plan_peak_bytes(w, leanest, chunk))
+
+
+POLICIES = ("auto", "keep", "recompute", "offload")
+
+
+def policy_plans(policy: str, num_layers: int) -> list[LayerPlan]:
+    """The fixed policies: keep (everything), recompute (inputs only), offload (attention state
+    to the host; the last layer's stays on the GPU)."""
+    if policy == "keep":
+        return [LayerPlan(Keep.ALL)] * num_layers
+    if policy == "recompute":
+        return [LayerPlan(Keep.INPUT)] * num_layers
+    if policy == "offload":
+        return ([LayerPlan(Keep.ATTENTION, offload=True)] * (num_layers - 1)
+                + [LayerPlan(Keep.ATTENTION)])
+    raise ValueError(f"unknown activation policy {policy!r}")
+
+
+def describe(plans: list) -> str:
+    """Counts per kind, e.g. '30 offload attention state, 2 keep all'."""
+    names = {(Keep.ALL, False): "keep all", (Keep.ATTENTION, True): "offload attention state",
+             (Keep.ATTENTION, False): "keep attention state",
+             (Keep.INPUT, False): "recompute from input", (Keep.INPUT, True): "offload input",
+             (Keep.ALL, True): "offload all"}
+    counts: dict[str, int] = {}
+    for p in plans:
+        what = "autograd" if p is None else names[(p.keep, p.offload)]
+        counts[what] = counts.get(what, 0) + 1
+    return ", ".join(f"{n} {what}" for what, n in counts.items())
+
+
+def gpu_budget_bytes(device: torch.device, max_memory_gib: float | None) -> float:
+    total = torch.cuda.get_device_properties(device).total_memory
+    return min(total * 0.92, max_memory_gib * 2**30) if max_memory_gib else total * 0.92

@@ -1,0 +1,214 @@
+"""A group of frozen projections that read one input, with their LoRA adapters, for the
+hand-written layer forward and backward.
+
+LoRA math per projection (x: input [n, in], W: [out, in], A: [r, in], B: [out, r], s: scaling):
+
+    y = x W^T + s (x A^T) B^T;   ga = s dy B;   dB = s dy^T (x A^T);   dA = ga^T x;
+    dx = dy W + ga A
+
+The group concatenates its A's: xa = x A_cat^T is [n, R], R = sum r. Packed (engine/weights.py)
+it is one GEMM over [W_cat | s B] with xa in the input buffer's extra columns; in backward the
+same packed weight gives dx and ga from one GEMM (dy [W | s B] = [dy W | ga]). Unpacked, one GEMM
+per projection plus a rank-r product each. Outputs are one tensor [n, sum out].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .weights import DenseWeights
+
+
+class ProjectionGroup:
+    """Projections `mods` (LoRALinear, frozen base) reading one input, their LoRA weights cast to
+    the compute dtype once per layer run; weights from `weights` (the provider), packed where
+    `pack`."""
+
+    def __init__(self, mods, dtype: torch.dtype, weights: DenseWeights, pack: bool):
+        self.mods = mods
+        self.in_f = mods[0].in_features
+        self.outs = [m.out_features for m in mods]
+        self.source = weights.source(mods, dtype, pack)
+        self.packed = self.source.packed is not None
+        self.width = self.source.width if self.packed else self.in_f
+        self.bias = [None if m.bias is None else m.bias.to(dtype) for m in mods]
+        lora = [m for m in mods if m.has_lora]
+        self.R = sum(m.r for m in lora)
+        self.a = torch.cat([m.lora_A.weight for m in lora]).to(dtype) if lora else None
+        self.b, self.cols = [], []
+        c = 0
+        for m in mods:
+            if m.has_lora:
+                self.b.append(m.lora_B.weight.to(dtype))
+                self.cols.append(slice(c, c + m.r))
+                c += m.r
+            else:
+                self.b.append(None)
+                self.cols.append(None)
+        # whether the LoRA term rides in the packed GEMM (extra K columns) or is added after it
+        self.lora_in_gemm = self.packed and self.width > self.in_f
+        if self.lora_in_gemm:
+            self.source.write_lora_columns(self.in_f, self.cols)
+        self.bias_cat = None
+        if any(b is not None for b in self.bias):
+            dev = mods[0].weight.device
+            self.bias_cat = torch.cat([torch.zeros(o, dtype=dtype, device=dev) if b is None
+                                       else b for b, o in zip(self.bias, self.outs)])
+
+    def split(self, y: torch.Tensor | list) -> list[torch.Tensor]:
+        """[n, sum out] -> per-projection column views (a list passes through)."""
+        if isinstance(y, (list, tuple)):
+            return list(y)
+        out, c = [], 0
+        for o in self.outs:
+            out.append(y[:, c:c + o])
+            c += o
+        return out
+
+    # --- forward -----------------------------------------------------------------------------
+    def new_input(self, n: int, like: torch.Tensor) -> torch.Tensor:
+        """A buffer for this group's input, [n, width] ([n, in] + R columns for x A^T and zero
+        padding when packed): the caller writes x into [:, :in], then calls fill_lora."""
+        X = torch.empty(n, self.width, dtype=like.dtype, device=like.device)
+        if self.width > self.in_f + self.R:
+            X[:, self.in_f + self.R:].zero_()  # times the weight's zero columns: no NaN from
+        return X                                # uninitialised memory
+
+    @property
+    def has_lora_cols(self) -> bool:
+        """Whether input buffers carry x A_cat^T (packed with LoRA columns)."""
+        return bool(self.lora_in_gemm and self.R)
+
+    def lora_cols(self, X: torch.Tensor) -> torch.Tensor | None:
+        """The x A_cat^T columns [n, R] of an input buffer (has_lora_cols), else None."""
+        return X[:, self.in_f:self.in_f + self.R] if self.has_lora_cols else None
+
+    def fill_lora(self, X: torch.Tensor, xa: torch.Tensor | None = None) -> None:
+        """X[:, in:] = X[:, :in] @ A_cat^T, or a copy of `xa` (that product, kept from the
+        forward: backward then need not read X again for it). Packed groups with LoRA only."""
+        cols = self.lora_cols(X)
+        if cols is None:
+            return
+        if xa is not None:
+            cols.copy_(xa)
+        else:
+            torch.mm(X[:, :self.in_f], self.a.t(), out=cols)
+
+    def project(self, X: torch.Tensor, resid: torch.Tensor | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """X: new_input's buffer after fill_lora (or [n, in] if not packed) -> y [n, sum out]
+        = x W_cat^T + bias + LoRA; with `resid` (one projection): resid + y, into `out`."""
+        if self.packed:
+            if X.shape[1] != self.width:
+                raise ValueError("packed group: pass new_input's buffer (after fill_lora)")
+            W = self.source.get()
+            y = (torch.addmm(resid, X, W.t(), out=out) if resid is not None
+                 else torch.mm(X, W.t(), out=out))
+            if self.bias_cat is not None:
+                y.add_(self.bias_cat)
+            if self.a is not None and not self.lora_in_gemm:
+                xa = X @ self.a.t()
+                for yi, m, b, cols in zip(self.split(y), self.mods, self.b, self.cols):
+                    if b is not None:
+                        yi.addmm_(xa[:, cols], b.t(), alpha=m.scaling)
+            return y
+        x = X[:, :self.in_f]
+        xa = x @ self.a.t() if self.a is not None else None
+        if len(self.mods) == 1:
+            w = self.source.dense(0)
+            y = (torch.addmm(resid, x, w.t(), out=out) if resid is not None
+                 else torch.mm(x, w.t(), out=out))
+            ys = [y]
+        else:
+            if resid is not None:
+                raise ValueError("resid needs a group of one projection")
+            y = out if out is not None else torch.empty(x.shape[0], sum(self.outs),
+                                                        dtype=x.dtype, device=x.device)
+            ys = self.split(y)
+            for i, yi in enumerate(ys):
+                torch.mm(x, self.source.dense(i).t(), out=yi)
+        for yi, m, bias, b, cols in zip(ys, self.mods, self.bias, self.b, self.cols):
+            if bias is not None:
+                yi.add_(bias)
+            if b is not None:
+                yi.addmm_(xa[:, cols], b.t(), alpha=m.scaling)
+        return y
+
+    # --- backward ----------------------------------------------------------------------------
+    def grad_width(self) -> int:
+        """Columns of the buffer input_grad writes dx into for one [n, sum out] gradient: the
+        packed width where one GEMM over the whole packed weight gives dx and ga together (see
+        input_grad), else in."""
+        return self.width if self.has_lora_cols else self.in_f
+
+    def input_grad(self, dys, out: torch.Tensor | None = None, need_dx: bool = True):
+        """dys: [n, sum out] or per-projection list -> (dx [n, in] = sum_i dy_i W_i + ga A_cat
+        (into `out`, [n, grad_width()] for one tensor dys; None without need_dx), ga [n, R] =
+        s dy_i B_i side by side, or None).
+
+        Packed with LoRA columns, dy @ [W | s B] = [dy W | s dy B] is dx and ga from one GEMM
+        (K = sum out): ga needs no pass of its own over dy. dx and ga are then column views
+        of one [n, packed width] buffer."""
+        if need_dx and self.has_lora_cols and not isinstance(dys, (list, tuple)):
+            wide = torch.mm(dys, self.source.get(), out=out)
+            dx, ga = wide[:, :self.in_f], wide[:, self.in_f:self.in_f + self.R]
+            dx.addmm_(ga, self.a)
+            return dx, ga
+        parts = self.split(dys)
+        ga = None
+        if self.a is not None:
+            gas = []
+            for m, dy, b in zip(self.mods, parts, self.b):
+                if b is not None:
+                    g = dy @ b
+                    if m.scaling != 1:
+                        g.mul_(m.scaling)
+                    gas.append(g)
+            ga = gas[0] if len(gas) == 1 else torch.cat(gas, 1)
+        dx = None
+        if need_dx:
+            if self.packed and not isinstance(dys, (list, tuple)):
+                # one GEMM, K = sum out
+                dx = torch.mm(dys, self.source.get()[:, :self.in_f], out=out)
+            else:
+                dx = torch.mm(parts[0], self.source.dense(0), out=out)
+                for i, dy in enumerate(parts[1:], 1):
+                    dx.addmm_(dy, self.source.dense(i))
+            if ga is not None:
+                dx.addmm_(ga, self.a)
+        return dx, ga
+
+    def lora_grads(self, x: torch.Tensor, dys, ga: torch.Tensor | None, grads: dict,
+                   xa: torch.Tensor | None = None) -> None:
+        """LoRA grads into `grads` (param -> its dtype, accumulated): dB_i = s dy_i^T xa_i,
+        dA = ga^T x. x: [n, in]; xa = x A_cat^T if the caller has it."""
+        if self.a is None:
+            return
+        if xa is None:
+            xa = x @ self.a.t()
+        for m, dy, cols in zip(self.mods, self.split(dys), self.cols):
+            if cols is not None:
+                _accumulate(grads, m.lora_B.weight, dy.t() @ xa[:, cols], m.scaling)
+        ga_x = ga.t() @ x  # [R, in]
+        for m, cols in zip(self.mods, self.cols):
+            if cols is not None:
+                _accumulate(grads, m.lora_A.weight, ga_x[cols], 1.0)
+
+    def backward(self, X: torch.Tensor, dys, grads: dict, out: torch.Tensor | None = None,
+                 need_dx: bool = True) -> torch.Tensor | None:
+        """Input gradient (into `out`, [n, grad_width()] for one tensor dys; None without
+        need_dx) and LoRA grads for input X (a new_input buffer after fill_lora, or [n, in])."""
+        dx, ga = self.input_grad(dys, out, need_dx)
+        xa = X[:, self.in_f:self.in_f + self.R] if self.R and X.shape[1] > self.in_f else None
+        self.lora_grads(X[:, :self.in_f], dys, ga, grads, xa)
+        return dx
+
+
+def _accumulate(grads: dict, param: torch.nn.Parameter, g: torch.Tensor, scale: float) -> None:
+    if not param.requires_grad:
+        return
+    g = g.to(param.dtype)
+    if scale != 1:
+        g.mul_(scale)
+    prev = grads.get(param)
+    grads[param] = g if prev is None else prev.add_(g)

@@ -1,6 +1,7 @@
 """GPU correctness checks that the CPU suite cannot run: the varlen flash-attention path on
-packed rows against the mask path and against transformers (bf16), the whole model on Triton
-kernels against reference ops, and the environment facts.
+packed rows against the mask path (bf16), the whole model on Triton kernels against reference
+ops, the fused layers (flash / cuDNN attention ops, offload through pinned memory and a side
+stream, Qwen3's q/k norm kernel) against autograd, and the environment facts.
 
     python bench/gpu_checks.py
 """
@@ -18,6 +19,7 @@ from harness import hf_config, record  # noqa: E402
 import leantune  # noqa: E402
 from leantune import kernels  # noqa: E402
 from leantune.batch import PackedBatch  # noqa: E402
+from leantune.engine import EngineOptions, LayerPlan, attach, detach  # noqa: E402
 from leantune.model import attention as attn  # noqa: E402
 from leantune.model.config import ModelConfig  # noqa: E402
 from leantune.model.loader import build_empty  # noqa: E402
@@ -27,14 +29,27 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def small_config(window: int | None, layers: int) -> ModelConfig:
-    """A small Llama-like config with GQA; Mistral with a sliding window when `window`."""
+def small_config(window: int | None, layers: int, family: str = "llama") -> ModelConfig:
+    """A small Llama-like config with GQA; Mistral with a sliding window when `window`; Qwen3
+    (q/k norm) with family="qwen3"."""
     d = hf_config("tiny").to_dict()
     d.update(hidden_size=256, intermediate_size=512, num_attention_heads=8,
              num_key_value_heads=2, head_dim=32, vocab_size=1000, num_hidden_layers=layers)
     if window:
         d.update(model_type="mistral", sliding_window=window)
-    return ModelConfig.from_dict(d)
+    if family == "qwen3":
+        d.update(model_type="qwen3")
+    cfg = ModelConfig.from_dict(d)
+    return cfg
+
+
+def randomize_norms(m, seed=0):
+    """Norm weights (q/k norms too) away from 1, so that they carry signal."""
+    g = torch.Generator(device=next(m.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "norm" in n:
+                p.add_(torch.randn(p.shape, generator=g, device=p.device, dtype=p.dtype) * 0.2)
 
 
 def main():
@@ -68,20 +83,20 @@ def main():
             for path in ("varlen", "mask"):
                 if path == "varlen" and (not attn.HAS_VARLEN or dtype == torch.float32):
                     continue
-                attn.force_attention_path(path)
+                m.attention_path = path
                 with torch.no_grad():
                     results[path] = m(batch=b).logits
-                attn.force_attention_path(None)
+                m.attention_path = None
             with kernels.backend("reference"), torch.no_grad():
-                attn.force_attention_path("mask")
+                m.attention_path = "mask"
                 ref = m(batch=b).logits
-                attn.force_attention_path(None)
+                m.attention_path = None
             record("gpu_check", what="attention varlen vs mask", window=window, dtype=str(dtype),
                    rel_err=rel(results["varlen"], results["mask"]) if "varlen" in results else None)
             record("gpu_check", what="model triton kernels vs reference ops", window=window,
                    dtype=str(dtype), rel_err=rel(results["mask"], ref))
             # gradients through the packed varlen path vs reference ops + mask
-            m.set_checkpointing(True)
+            attach(m, [LayerPlan(0)] * 2, EngineOptions(fused_layers=False))
             leantune.apply_lora(m, leantune.LoRAConfig(r=8, alpha=16), dtype=torch.float32)
             for _, layer in leantune.lora.lora_layers(m):
                 torch.nn.init.normal_(layer.lora_B.weight, std=0.02)
@@ -92,16 +107,53 @@ def main():
             grads = {}
             for name, ctx in (("fast", kernels.backend("auto")), ("ref", kernels.backend("reference"))):
                 with ctx:
-                    attn.force_attention_path(None if name == "fast" else "mask")
+                    m.attention_path = None if name == "fast" else "mask"
                     loss = m.loss_sum(bb)
                     gs = torch.autograd.grad(loss, [p for p in m.parameters() if p.requires_grad])
-                    attn.force_attention_path(None)
+                    m.attention_path = None
                 grads[name] = (loss.detach(), torch.cat([x.flatten() for x in gs]))
             record("gpu_check", what="loss+LoRA grads fast path vs reference", window=window,
                    dtype=str(dtype), loss_rel=rel(grads["fast"][0], grads["ref"][0]),
                    grad_rel=rel(grads["fast"][1], grads["ref"][1]))
     fused_layer_checks(dev)
+    qk_norm_rope_check(dev)
     embedding_check(dev)
+
+
+def qk_norm_rope_check(dev, B=4, T=2048, Hq=40, Hk=8, D=128):
+    """The fused q/k norm + RoPE kernel on the GPU against the reference (RMSNorm then RoPE
+    under autograd), forward and backward, bf16 at Qwen3-14B's head shapes; and its time."""
+    from leantune.kernels.qk_norm_rope import (qk_norm_rope_bwd_, qk_norm_rope_fwd,
+                                               qk_norm_rope_reference)
+    from leantune.model.rope import rope_cos_sin, rope_inv_freq
+
+    g = torch.Generator(device=dev).manual_seed(0)
+    qkv = torch.randn(B, T, (Hq + 2 * Hk) * D, device=dev, generator=g).to(torch.bfloat16) * 3
+    q = qkv[..., :Hq * D].view(B, T, Hq, D)
+    k = qkv[..., Hq * D:(Hq + Hk) * D].view(B, T, Hk, D)
+    wq = (1 + 0.3 * torch.randn(D, device=dev, generator=g)).to(torch.bfloat16)
+    wk = (1 + 0.3 * torch.randn(D, device=dev, generator=g)).to(torch.bfloat16)
+    pos = torch.arange(T, device=dev).expand(B, T)
+    inv, scale = rope_inv_freq(D, 1e6, None, device=dev)
+    cos, sin = rope_cos_sin(pos, inv, scale, torch.bfloat16)
+    qo, ko = qk_norm_rope_fwd(q, k, wq, wk, 1e-6, 0.0, cos, sin)
+    q0, k0 = q.detach().float().requires_grad_(), k.detach().float().requires_grad_()
+    qr, kr = qk_norm_rope_reference(q0, k0, wq.float(), wk.float(), 1e-6, 0.0, cos.float(),
+                                    sin.float())
+    dq_out = torch.randn(q.shape, device=dev, generator=g).to(torch.bfloat16)
+    dk_out = torch.randn(k.shape, device=dev, generator=g).to(torch.bfloat16)
+    gq, gk = torch.autograd.grad((qr, kr), (q0, k0), (dq_out.float(), dk_out.float()))
+    dq, dk = dq_out.clone(), dk_out.clone()
+    qk_norm_rope_bwd_(dq, dk, q, k, wq, wk, 1e-6, 0.0, cos, sin)
+    s_, e_ = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s_.record()
+    for _ in range(10):
+        qk_norm_rope_fwd(q, k, wq, wk, 1e-6, 0.0, cos, sin)
+    e_.record()
+    torch.cuda.synchronize()
+    record("gpu_check", what="q/k norm + rope kernel vs fp32 reference (bf16, Qwen3-14B heads)",
+           q_rel=rel(qo, qr), k_rel=rel(ko, kr), dq_rel=rel(dq, gq), dk_rel=rel(dk, gk),
+           fwd_ms=round(s_.elapsed_time(e_) / 10, 3))
 
 
 def embedding_check(dev, V=128256, H=4096, tokens=8192):
@@ -128,12 +180,13 @@ def embedding_check(dev, V=128256, H=4096, tokens=8192):
 def fused_layer_checks(dev):
     """The hand-written layer backward (flash-attention ops called directly, offload through
     pinned memory and a side stream) against autograd on the same varlen path, bf16."""
-    from leantune.model.fused_layer import LayerPlan
-
-    for window, lens in ((None, [[100, 300, 57, 55], [512]]), (37, [[100, 300, 57, 55], [512]]),
-                         (None, [[512], [512]])):  # the last: one document per row -> cuDNN
-        m = build_empty(small_config(window, layers=4), torch.bfloat16, dev)
+    for family, window, lens in (
+            ("llama", None, [[100, 300, 57, 55], [512]]), ("llama", 37, [[100, 300, 57, 55], [512]]),
+            ("llama", None, [[512], [512]]),  # one document per row -> cuDNN
+            ("qwen3", None, [[100, 300, 57, 55], [512]]), ("qwen3", None, [[512], [512]])):
+        m = build_empty(small_config(window, layers=4, family=family), torch.bfloat16, dev)
         m.init_weights(seed=0)
+        randomize_norms(m)
         leantune.apply_lora(m, leantune.LoRAConfig(r=8, alpha=16), dtype=torch.float32)
         for _, layer in leantune.lora.lora_layers(m):
             torch.nn.init.normal_(layer.lora_B.weight, std=0.02)
@@ -153,26 +206,26 @@ def fused_layer_checks(dev):
             gs = torch.autograd.grad(loss, params)
             return loss.detach(), torch.cat([x.flatten() for x in gs])
 
-        m.set_layer_plans([None] * 4)
-        attn.set_cudnn_attention(False)
-        flash = run()
-        attn.set_cudnn_attention(True)
+        detach(m)
         ref = run()
+        again = run()
         dense = len(lens[0]) == 1
-        record("gpu_check", what="autograd, cuDNN vs flash attention" if dense else
-               "autograd, flash attention twice", window=window, loss_rel=rel(ref[0], flash[0]),
-               grad_rel=rel(ref[1], flash[1]))
+        record("gpu_check", what="autograd (SDPA / varlen flash) twice", family=family,
+               window=window, rows="one document each" if dense else "packed",
+               loss_rel=rel(again[0], ref[0]), grad_rel=rel(again[1], ref[1]))
         plans = {"keep0": [LayerPlan(0)] * 4, "keep1": [LayerPlan(1)] * 4,
                  "keep2": [LayerPlan(2)] * 4,
                  "offload": [LayerPlan(1, True)] * 3 + [LayerPlan(1)],
                  "mixed": [LayerPlan(0, True), LayerPlan(2), LayerPlan(1, True), LayerPlan(0)]}
         for name, pl in plans.items():
-            m.set_layer_plans(pl)
-            first = run()
-            again = run()  # pinned buffers reused
-            record("gpu_check", what=f"fused layer {name} vs autograd (bf16)",
-                   window=window, rows="one document each" if dense else "packed", loss_rel=rel(first[0], ref[0]), grad_rel=rel(first[1], ref[1]),
-                   repeat_grad_rel=rel(again[1], first[1]))
+            for attention in (("auto", "flash") if dense else ("auto",)):
+                attach(m, pl, EngineOptions(attention=attention))
+                first = run()
+                again = run()  # pinned buffers reused
+                record("gpu_check", what=f"fused layer {name} vs autograd (bf16)", family=family,
+                       window=window, rows="one document each" if dense else "packed",
+                       attention=attention, loss_rel=rel(first[0], ref[0]),
+                       grad_rel=rel(first[1], ref[1]), repeat_grad_rel=rel(again[1], first[1]))
 
 
 if __name__ == "__main__":

@@ -31,18 +31,20 @@ def record(section: str, **fields) -> None:
 
 
 def hf_config(shape: str):
-    from transformers import LlamaConfig
+    """The transformers config of `shape` (LlamaConfig, Qwen3Config, ...)."""
+    from transformers import AutoConfig
 
     d = dict(SHAPES[shape])
-    d.pop("model_type")
-    rope = d.pop("rope_scaling")
+    model_type = d.pop("model_type")
+    rope = d.pop("rope_scaling") or {"rope_type": "default"}
     theta = d.pop("rope_theta")
-    cfg = LlamaConfig(**d)
+    cfg = AutoConfig.for_model(model_type, **d)
     # transformers 5 keeps rope settings in rope_parameters; 4.x in rope_scaling / rope_theta
     if hasattr(cfg, "rope_parameters"):
         cfg.rope_parameters = dict(rope, rope_theta=theta)
     else:
-        cfg.rope_scaling, cfg.rope_theta = dict(rope), theta
+        cfg.rope_scaling = None if rope["rope_type"] == "default" else dict(rope)
+        cfg.rope_theta = theta
     return cfg
 
 
@@ -68,14 +70,15 @@ def add_lora(model, r=16, alpha=16, seed=0):
 
 
 def hf_peft_model(shape: str, base, device, gradient_checkpointing=True):
-    """transformers LlamaForCausalLM (SDPA) over `base`'s weights + PEFT LoRA with the same init."""
+    """The transformers model of `shape` (SDPA) over `base`'s weights + PEFT LoRA with the same
+    init."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     cfg = hf_config(shape)
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa",
-                                              dtype=torch.bfloat16)
+                                              dtype=base.model.embed_tokens.weight.dtype)
     # .to(device): shares the tensors already there; a copy of a table leantune keeps in host
     # memory (the Trainer's offload_embedding), which HF reads on the GPU
     state = {k: v.to(device) for k, v in base.state_dict().items() if "lora_" not in k}

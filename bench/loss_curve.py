@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from harness import hf_peft_model, leantune_model, record, trainable  # noqa: E402
+from shapes import SHAPES  # noqa: E402
 
 from leantune.batch import IGNORE_INDEX  # noqa: E402
 from leantune.data import PackedLoader  # noqa: E402
@@ -85,10 +86,11 @@ def hf_train(pm, loader, steps, lr, warmup, device):
 
 
 def run(shape: str, steps: int, device: torch.device, seq_len: int, batch: int, lr: float,
-        checkpointing: str = "offload", fused: bool = True, dtype=None):
-    vocab = 128256 if shape != "tiny" else 1000
-    docs = make_documents(600 if shape != "tiny" else 40, vocab, seed=1,
-                          hi=1024 if shape != "tiny" else 96, lo=64 if shape != "tiny" else 8)
+        activations: str = "offload", fused: bool = True, dtype=None, noise_floor: bool = False):
+    tiny = shape.startswith("tiny")
+    vocab = SHAPES[shape]["vocab_size"]
+    docs = make_documents(600 if not tiny else 40, vocab, seed=1,
+                          hi=1024 if not tiny else 96, lo=64 if not tiny else 8)
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     base = leantune_model(shape, device, dtype=dtype)
@@ -98,8 +100,8 @@ def run(shape: str, steps: int, device: torch.device, seq_len: int, batch: int, 
     cfg = TrainConfig(output=str(out), max_seq_len=seq_len, batch_size=batch, lr=lr,
                       warmup_steps=3, max_steps=steps, seed=0, progress=False, eval_every=0,
                       lora_r=16, lora_alpha=16, overwrite=True,
-                      device=str(device), checkpointing=checkpointing if device.type == "cuda"
-                      else "none", fused_layers=fused,
+                      device=str(device), activations=activations if device.type == "cuda"
+                      else "keep", fused_layers=fused,
                       dtype=str(dtype).replace("torch.", "") if dtype else None)
     trainer = Trainer(cfg, model=base, train_data=docs, log=lambda *a: None)
     init_lora = {n: p.detach().clone() for n, p in base.named_parameters() if p.requires_grad}
@@ -127,7 +129,25 @@ def run(shape: str, steps: int, device: torch.device, seq_len: int, batch: int, 
     loader = PackedLoader(docs, batch, seq_len, seed=0, shuffle=True)
     hf_losses, hf_tok_s, hf_peak = hf_train(pm, loader, steps, lr, 3, device)
     gaps = [abs(a - b) / abs(b) for a, b in zip(ours_losses, hf_losses)]
-    record("loss_curve", shape=shape, checkpointing=checkpointing, fused=fused,
+    floor = {}
+    if noise_floor:  # transformers + PEFT against itself with SDPA's math kernel for attention
+        # (another kernel order for the same model): the comparison's noise floor
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        del pm
+        with torch.no_grad():
+            for n, p in base.named_parameters():
+                if n in init_lora:
+                    p.copy_(init_lora[n])
+        pm = hf_peft_model(shape, base, device, gradient_checkpointing=device.type == "cuda")
+        for p in base.parameters():
+            p.requires_grad_(False)
+        loader = PackedLoader(docs, batch, seq_len, seed=0, shuffle=True)
+        with sdpa_kernel(SDPBackend.MATH):
+            other, _, _ = hf_train(pm, loader, steps, lr, 3, device)
+        fgaps = [abs(a - b) / abs(b) for a, b in zip(other, hf_losses)]
+        floor = dict(floor_max_rel_gap=max(fgaps), floor_mean_rel_gap=sum(fgaps) / len(fgaps))
+    record("loss_curve", shape=shape, activations=activations, fused=fused, **floor,
            dtype=str(base.model.embed_tokens.weight.dtype), steps=steps, seq_len=seq_len, batch=batch,
            ours_tok_s=ours_tok_s, hf_tok_s=hf_tok_s, ours_peak_gib=ours_peak,
            hf_peak_gib=hf_peak, max_rel_gap=max(gaps), mean_rel_gap=sum(gaps) / len(gaps),
@@ -148,13 +168,17 @@ def main():
     ap.add_argument("--lr", type=float, default=2e-4)
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)
     ap.add_argument("--no-fused", action="store_true", help="autograd layers (no fused backward)")
-    ap.add_argument("--checkpointing", default="offload",
+    ap.add_argument("--activations", default="offload",
                     help="leantune's policy (the HF reference keeps all activations)")
+    ap.add_argument("--noise-floor", action="store_true",
+                    help="also train transformers + PEFT with SDPA's math attention kernel: its "
+                         "gap to the default run is the noise floor of the comparison")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     for shape in args.shape:
-        run(shape, args.steps, device, args.seq_len, args.batch, args.lr, args.checkpointing,
-            not args.no_fused, getattr(torch, args.dtype) if args.dtype else None)
+        run(shape, args.steps, device, args.seq_len, args.batch, args.lr, args.activations,
+            not args.no_fused, getattr(torch, args.dtype) if args.dtype else None,
+            args.noise_floor)
 
 
 if __name__ == "__main__":

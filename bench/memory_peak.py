@@ -18,7 +18,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from harness import hf_config, record  # noqa: E402
 from speed import make_trainer, random_batch  # noqa: E402
 
-from leantune.train.memory import describe  # noqa: E402
+from leantune.engine import Engine  # noqa: E402
+from leantune.engine.planner import describe  # noqa: E402
 
 MIB = 2**20
 
@@ -96,7 +97,7 @@ def main():
         trace = snap["device_traces"][device.index or 0]
         peak, sites, samples, stack = replay(trace, start)
         top = sorted(sites.items(), key=lambda kv: -kv[1])[:args.top]
-        plan = describe(trainer.model.layer_plans)
+        plan = describe(Engine.plans(trainer.model))
         print(f"\n{args.shape} {policy}: {plan}; peak {peak / MIB:.1f} MiB replayed, "
               f"{measured / MIB:.1f} MiB measured, at:")
         for frame in stack:

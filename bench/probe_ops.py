@@ -26,8 +26,12 @@ def timed(fn, n=20, warm=3) -> float:
 
 
 def cudnn_ops(B=4, T=2048, Hq=32, Hk=8, D=128):
-    """cuDNN attention through aten: forward keeping the log-sum-exp, backward from it."""
-    from leantune.model import attention as am
+    """cuDNN attention through aten (the engine's backend): forward keeping the log-sum-exp,
+    backward from it, against SDPA's cuDNN backend under autograd."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from leantune.engine import AttentionBackend, EngineOptions
+    from leantune.model.attention import AttentionMeta, repeat_kv_heads
 
     scale = D ** -0.5
     q = torch.randn(B, T, Hq, D, device=DEV, dtype=BF)
@@ -35,23 +39,31 @@ def cudnn_ops(B=4, T=2048, Hq=32, Hk=8, D=128):
     v = torch.randn_like(k)
     dout = torch.randn_like(q)
     res = {}
-    # reference: SDPA cuDNN backend through autograd (what the fused layer does today)
+
+    def sdpa_cudnn(q, k, v):
+        rep = Hq // Hk
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), repeat_kv_heads(k, rep).transpose(1, 2),
+                repeat_kv_heads(v, rep).transpose(1, 2), is_causal=True, scale=scale)
+        return o.transpose(1, 2)
+
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    ref = am._cudnn_causal(*leaves, scale)
+    ref = sdpa_cudnn(*leaves)
     ref_g = torch.autograd.grad(ref, leaves, dout)
     res["sdpa_cudnn fwd+bwd ms"] = round(timed(lambda: torch.autograd.grad(
-        am._cudnn_causal(*leaves, scale), leaves, dout)), 3)
-    if not hasattr(am, "cudnn_forward"):
-        record("cudnn_ops", **res)
-        return
-    out, (_, state) = am.cudnn_forward(q, k, v, scale)
+        sdpa_cudnn(*leaves), leaves, dout)), 3)
+    backend = AttentionBackend(EngineOptions())
+    meta = AttentionMeta.build((B, T), DEV, None, None, T, {None})
+    out, state = backend.forward(q, k, v, meta, None, scale)
+    res["backend"] = type(state).__name__
     res["out max err"] = float((out.float() - ref.detach().float()).abs().max())
-    grads = am.cudnn_backward(dout, q, k, v, out, state, scale)
+    grads = backend.backward(dout, q, k, v, out, state, meta, None, scale)
     for name, g, r in zip("qkv", grads, ref_g):
         res[f"d{name} rel err"] = float((g.float() - r.float()).norm() / r.float().norm())
-    res["aten fwd ms"] = round(timed(lambda: am.cudnn_forward(q, k, v, scale)), 3)
-    res["aten bwd ms"] = round(timed(lambda: am.cudnn_backward(dout, q, k, v, out, state,
-                                                               scale)), 3)
+    res["aten fwd ms"] = round(timed(lambda: backend.forward(q, k, v, meta, None, scale)), 3)
+    res["aten bwd ms"] = round(timed(lambda: backend.backward(dout, q, k, v, out, state, meta,
+                                                              None, scale)), 3)
     record("cudnn_ops", **res)
 
 

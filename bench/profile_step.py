@@ -48,7 +48,7 @@ def profile(shape, policy, tokens_rows, seq, device):
     torch.cuda.synchronize()
     # peak memory of the forward (+ loss) alone, and of the whole step
     torch.cuda.reset_peak_memory_stats()
-    loss = trainer.model.loss_sum(b)
+    loss = trainer.model(batch=b, loss_only=True).loss_sum
     torch.cuda.synchronize()
     peak_fwd = torch.cuda.max_memory_allocated() / 2**30
     loss.backward()
@@ -210,7 +210,8 @@ def attention_backends(device, B=4, T=2048, Hq=32, Hk=8, D=128):
     flash / cuDNN / efficient backends (k/v expanded to Hq heads where GQA is not native)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from leantune.model.attention import AttentionMeta, attention_backward, attention_forward
+    from leantune.engine import AttentionBackend, EngineOptions
+    from leantune.model.attention import AttentionMeta
 
     q = torch.randn(B, T, Hq, D, device=device, dtype=torch.bfloat16)
     k = torch.randn(B, T, Hk, D, device=device, dtype=torch.bfloat16)
@@ -221,11 +222,13 @@ def attention_backends(device, B=4, T=2048, Hq=32, Hk=8, D=128):
     def timed(fn, n=10):
         return round(mean_ms(fn, n), 3)
 
-    out, aux = attention_forward(q, k, v, meta, None, D ** -0.5)
-    dout = torch.randn_like(out)
-    res["flash_op fwd"] = timed(lambda: attention_forward(q, k, v, meta, None, D ** -0.5))
-    res["flash_op bwd"] = timed(lambda: attention_backward(dout, q, k, v, out, aux, meta, None,
-                                                           D ** -0.5))
+    for name, which in (("flash_op", "flash"), ("cudnn_op", "auto")):
+        backend = AttentionBackend(EngineOptions(attention=which))
+        out, state = backend.forward(q, k, v, meta, None, D ** -0.5)
+        dout = torch.randn_like(out)
+        res[f"{name} fwd"] = timed(lambda: backend.forward(q, k, v, meta, None, D ** -0.5))
+        res[f"{name} bwd"] = timed(lambda: backend.backward(dout, q, k, v, out, state, meta,
+                                                            None, D ** -0.5))
     qt = q.transpose(1, 2)
     kt = k.repeat_interleave(Hq // Hk, 2).transpose(1, 2)
     vt = v.repeat_interleave(Hq // Hk, 2).transpose(1, 2)
@@ -244,17 +247,6 @@ def attention_backends(device, B=4, T=2048, Hq=32, Hk=8, D=128):
                     (qq, kk, vv), g))
         except Exception as ex:  # backend not available for these inputs
             res[name] = f"{type(ex).__name__}: {str(ex)[:80]}"
-    from leantune.model import attention as attn_mod
-
-    for gqa in (True, False):
-        attn_mod._CUDNN_GQA = gqa
-        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-        o = attn_mod._cudnn_causal(qq, kk, vv, D ** -0.5)
-        g = torch.randn_like(o)
-        res[f"leantune_cudnn gqa={gqa} fwd+bwd"] = timed(lambda: torch.autograd.grad(
-            attn_mod._cudnn_causal(qq, kk, vv, D ** -0.5), (qq, kk, vv), g))
-        res[f"leantune_cudnn gqa={gqa} native"] = attn_mod._CUDNN_GQA
-    attn_mod._CUDNN_GQA = attn_mod._SDPA_GQA
     record("attention_backends", B=B, T=T, Hq=Hq, Hk=Hk, D=D, **res)
 
 

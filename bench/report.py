@@ -22,16 +22,16 @@ def main():
             print(f"| {r['kernel']} | {r['triton_fwd_bwd_ms']:.3f} | {r['eager_fwd_bwd_ms']:.3f} | "
                   f"{r['speedup']:.2f}x | {r['triton_extra_peak_gib']:.2f} / {r['eager_extra_peak_gib']:.2f} | "
                   f"{r['max_rel_err']:.1e} |")
-    print("\n| shape | impl | ckpt | tok/s | peak GiB | MFU | vs HF |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| shape | impl | activations | tok/s | peak GiB | MFU | vs HF | plan |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         if r["section"] == "speed":
             if "error" in r:
-                print(f"| {r['shape']} | {r['impl']} | {r['policy']} | {r['error']} | | | |")
+                print(f"| {r['shape']} | {r['impl']} | {r['policy']} | {r['error']} | | | | |")
                 continue
-            ratio = f"{r['ratio']:.2f}x" if r.get("ratio") else ""
+            ratio = f"{r['ratio']:.3f}x" if r.get("ratio") else ""
             print(f"| {r['shape']} | {r['impl']} | {r['policy']} | {r['tok_s']:,.0f} | "
-                  f"{r['peak_gib']:.2f} | {100 * r['mfu']:.1f}% | {ratio} |")
+                  f"{r['peak_gib']:.3f} | {100 * r['mfu']:.1f}% | {ratio} | {r.get('plan', '')} |")
     print("\n| shape | policy | plan | peak GiB | largest allocations live at the peak (MiB) |")
     print("|---|---|---|---|---|")
     for r in rows:
@@ -39,12 +39,16 @@ def main():
             top = ", ".join(f"{site} {mib:,.0f}" for site, mib in list(r["top"].items())[:4])
             print(f"| {r['shape']} | {r['policy']} | {r['plan']} | {r['measured_peak_gib']:.2f} | "
                   f"{top} |")
-    print("\n| shape | leantune tok/s | HF+PEFT tok/s | leantune peak | HF peak | max loss gap | first->last (ours) |")
+    print("\n| shape | dtype | leantune tok/s | HF+PEFT tok/s | max / mean loss gap | noise floor "
+          "max / mean | first->last (ours) |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         if r["section"] == "loss_curve":
-            print(f"| {r['shape']} | {r['ours_tok_s']:,.0f} | {r['hf_tok_s']:,.0f} | "
-                  f"{r['ours_peak_gib']:.2f} | {r['hf_peak_gib']:.2f} | {100 * r['max_rel_gap']:.3f}% | "
+            floor = (f"{100 * r['floor_max_rel_gap']:.3f}% / {100 * r['floor_mean_rel_gap']:.3f}%"
+                     if "floor_max_rel_gap" in r else "")
+            print(f"| {r['shape']} | {r['dtype'].replace('torch.', '')} | {r['ours_tok_s']:,.0f} | "
+                  f"{r['hf_tok_s']:,.0f} | {100 * r['max_rel_gap']:.2e}% / "
+                  f"{100 * r['mean_rel_gap']:.2e}% | {floor} | "
                   f"{r['ours_first_last'][0]:.3f}->{r['ours_first_last'][1]:.3f} |")
 
 

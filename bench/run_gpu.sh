@@ -1,22 +1,36 @@
 #!/usr/bin/env bash
-# One GPU call: correctness checks, per-kernel bench, end-to-end speed (issue 3's table: each
-# shape at the issue's memory budget, plus the fixed policies), the 8B step's memory peak,
-# loss-curve comparison.
+# One GPU call: correctness checks, per-kernel bench, end-to-end speed against transformers +
+# PEFT in the same process (issue 10's table: each shape at its memory budget), the 8B step's
+# memory peak, loss curves against transformers + PEFT.
 # Each part runs in its own process with a time limit, so one failure does not stop the rest;
-# the tables come last. Usage: bash bench/run_gpu.sh [parts...]   (default: all)
+# the tables come last. Usage: bash bench/run_gpu.sh [parts...]   (default: checks speed loss)
+#   parts: checks kernels speed speed-llama speed-qwen3 memory loss loss-fp32
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-bench-out}; export OUT; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
-parts=${*:-"checks kernels speed memory loss"}
+parts=${*:-"checks speed loss"}
+speed() {  # shape, time limit, policies...
+  local shape=$1 limit=$2; shift 2
+  timeout "$limit" python bench/speed.py --shape "$shape" --policies "$@" ${SPEED_POLICIES:-} 2>&1 \
+    | tee -a "$OUT/log.txt" | grep -E "^(\{|$shape)" | tail -n 8
+}
 for p in $parts; do
   case $p in
-    checks)  timeout 120 python bench/gpu_checks.py 2>&1 | tee -a "$OUT/log.txt" | tail -n 30 ;;
+    checks)  timeout 150 python bench/gpu_checks.py 2>&1 | tee -a "$OUT/log.txt" | tail -n 40 ;;
     kernels) timeout 150 python bench/kernels.py 2>&1 | tee -a "$OUT/log.txt" | tail -n 10 ;;
-    speed)   timeout 150 python bench/speed.py --shape llama-3.2-1b --policies recompute offload auto@4 none ${SPEED_POLICIES:-} 2>&1 | tee -a "$OUT/log.txt" | tail -n 6
-             timeout 270 python bench/speed.py --shape llama-3.1-8b --policies recompute offload auto@17 none ${SPEED_POLICIES:-} 2>&1 | tee -a "$OUT/log.txt" | tail -n 6 ;;
-    memory)  timeout 120 python bench/memory_peak.py --shape llama-3.1-8b --policies auto@17 2>&1 | tee -a "$OUT/log.txt" | tail -n 20 ;;
-    loss)    timeout 300 python bench/loss_curve.py ${LOSS_ARGS:-} 2>&1 | tee -a "$OUT/log.txt" | tail -n 6 ;;
+    speed|speed-qwen3)
+             speed qwen3-0.6b 150 auto@1.9 recompute keep
+             speed qwen3-14b 240 auto@31 ;;&
+    speed|speed-llama)
+             speed llama-3.2-1b 120 auto@4
+             speed llama-3.1-8b 150 auto@17 ;;
+    memory)  timeout 150 python bench/memory_peak.py --shape ${MEMORY_SHAPE:-llama-3.1-8b} \
+               --policies ${MEMORY_POLICIES:-auto@17} 2>&1 | tee -a "$OUT/log.txt" | tail -n 20 ;;
+    loss)    timeout 420 python bench/loss_curve.py --shape ${LOSS_SHAPES:-llama-3.2-1b qwen3-0.6b llama-3.1-8b} \
+               --noise-floor ${LOSS_ARGS:-} 2>&1 | tee -a "$OUT/log.txt" | grep -E "^\{" | cut -c1-300 ;;
+    loss-fp32) timeout 240 python bench/loss_curve.py --shape ${LOSS_FP32_SHAPES:-llama-3.2-1b} \
+               --dtype float32 --steps 30 --lr 1e-3 2>&1 | tee -a "$OUT/log.txt" | grep -E "^\{" | cut -c1-300 ;;
   esac
 done
 python bench/report.py "$OUT"

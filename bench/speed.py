@@ -6,7 +6,7 @@ parameters, median of 8 steps after 3 warm-ups, peak = torch.cuda.max_memory_all
 Baseline: transformers + PEFT, SDPA, non-reentrant gradient checkpointing, loss from
 model(input_ids, labels=...).
 
-    python bench/speed.py --shape llama-3.2-1b llama-3.1-8b --policies recompute none
+    python bench/speed.py --shape llama-3.2-1b llama-3.1-8b --policies recompute keep
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def random_batch(vocab: int, rows: int, seq: int, seed: int = 0) -> PackedBatch:
 
 
 def make_trainer(shape, batch, policy, steps, device):
-    """A Trainer for `policy`: "recompute" | "offload" | "none" | "auto@GiB" (memory-budgeted) |
+    """A Trainer for `policy`: "recompute" | "offload" | "keep" | "auto@GiB" (memory-budgeted) |
     "offload:N[k0]" (hand plan), optionally "+compile", "+nofused" (autograd layers instead of
     the hand-written backward), "+noembed" (input embedding kept on the GPU), "+keepall:M"
     (the last M layers keep everything, on top of the plan)."""
@@ -47,15 +47,15 @@ def make_trainer(shape, batch, policy, steps, device):
     cfg = TrainConfig(output=tempfile.mkdtemp(), max_seq_len=batch.input_ids.shape[1],
                       batch_size=batch.input_ids.shape[0], lr=1e-4, warmup_steps=0,
                       max_steps=steps, progress=False, eval_every=0, lora_r=16, lora_alpha=16,
-                      overwrite=True, device=str(device), checkpointing=ckpt,
+                      overwrite=True, device=str(device), activations=ckpt,
                       max_memory_gib=float(budget) if budget else None,
                       compile="compile" in extras, fused_layers="nofused" not in extras,
                       offload_embedding="noembed" not in extras)
     docs = [(batch.input_ids[0].tolist(), batch.labels[0].tolist())]
     trainer = Trainer(cfg, model=base, train_data=docs, log=lambda *a: None)
-    from leantune.model.fused_layer import LayerPlan
+    from leantune.engine import Engine, LayerPlan
 
-    plans = list(trainer.model.layer_plans)
+    plans = Engine.plans(trainer.model)
     L = len(plans)
     if n_off:  # hand-made plan: N layers offloaded, the rest keep attention state (or input)
         inputs_only = n_off.endswith("k0")
@@ -67,7 +67,7 @@ def make_trainer(shape, batch, policy, steps, device):
     if keep_all:
         plans = plans[:L - keep_all[0]] + [LayerPlan(2)] * keep_all[0]
     if n_off or keep_all:
-        trainer.model.set_layer_plans(plans)
+        trainer.engine.attach(trainer.model, plans)
     return trainer
 
 
@@ -79,10 +79,11 @@ def bench_ours(shape, batch, policy, warmup, steps, device):
     torch.cuda.reset_peak_memory_stats()
     times = cuda_time(lambda: trainer.train_step([gpu_batch]), warmup, steps)
     peak = torch.cuda.max_memory_allocated() / 2**30
-    print(f"{shape} {policy}: {trainer.checkpoint_policy}", flush=True)
+    plan = trainer.activation_policy
+    print(f"{shape} {policy}: {plan}", flush=True)
     del trainer
     torch.cuda.empty_cache()
-    return median(times), peak
+    return median(times), peak, plan
 
 
 def bench_hf(shape, batch, warmup, steps, device):
@@ -115,7 +116,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", nargs="+", default=["llama-3.2-1b", "llama-3.1-8b"])
     ap.add_argument("--policies", nargs="+", default=["recompute"],
-                    help="leantune policies to time: recompute | offload | none | auto@GiB | "
+                    help="leantune policies to time: recompute | offload | keep | auto@GiB | "
                          "offload:N (the first N layers offloaded, the rest keep their attention "
                          "state; offload:Nk0: their input), each optionally +compile, +nofused, "
                          "+noembed (input embedding kept on the GPU), +keepall:M (the last M "
@@ -143,15 +144,16 @@ def main():
                    step_s=t, peak_gib=peak, mfu=fpt * hf / H200_BF16_FLOPS)
         for policy in args.policies:
             try:
-                t, peak = bench_ours(shape, batch, policy, args.warmup, args.steps, device)
+                t, peak, plan = bench_ours(shape, batch, policy, args.warmup, args.steps,
+                                           device)
             except Exception as e:  # OOM, or a compile failure: record it and go on
                 record("speed", shape=shape, impl="leantune", policy=policy,
                        error=f"{type(e).__name__}: {str(e)[:200]}")
                 torch.cuda.empty_cache()
                 continue
             tok_s = tokens / t
-            record("speed", shape=shape, impl="leantune", policy=policy, tok_s=tok_s, step_s=t,
-                   peak_gib=peak, mfu=fpt * tok_s / H200_BF16_FLOPS,
+            record("speed", shape=shape, impl="leantune", policy=policy, plan=plan, tok_s=tok_s,
+                   step_s=t, peak_gib=peak, mfu=fpt * tok_s / H200_BF16_FLOPS,
                    ratio=(tok_s / hf) if hf else None)
 
 

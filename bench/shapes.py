@@ -27,6 +27,12 @@ SHAPES = {
                       num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
                       rope_theta=1000000.0, rope_scaling=None, max_position_embeddings=40960,
                       tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645),
+    # Qwen3-14B's layers, 8 of them (an fp32 check at the real head shapes fits in minutes)
+    "qwen3-14b-8l": dict(model_type="qwen3", vocab_size=151936, hidden_size=5120,
+                         intermediate_size=17408, num_hidden_layers=8, num_attention_heads=40,
+                         num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+                         rope_theta=1000000.0, rope_scaling=None, max_position_embeddings=40960,
+                         tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645),
     # CPU-sized shapes for dry runs of the harness
     "tiny-qwen3": dict(model_type="qwen3", vocab_size=1000, hidden_size=64, intermediate_size=160,
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

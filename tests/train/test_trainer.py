@@ -269,8 +269,9 @@ def test_checkpoints_are_atomic_and_pruned(tmp_path):
     (stale / "junk").write_text("x")
     path = save_checkpoint(tmp_path, 4, model, opt, {"data": {}}, keep=2)
     assert path == root / "step-00000004" == latest_checkpoint(tmp_path)
-    assert sorted(p.name for p in path.iterdir()) == ["optimizer.pt", "rng.pt", "state.json",
-                                                     "trainable.safetensors"]
+    assert sorted(p.name for p in path.iterdir()) == [
+        "optimizer.json", "optimizer.safetensors", "rng.safetensors", "state.json",
+        "trainable.safetensors"]
     assert sorted(p.name for p in root.iterdir()) == [".tmp-step-00000009", "step-00000003",
                                                      "step-00000004"]
     # keep=0 keeps everything
@@ -300,6 +301,54 @@ def test_checkpoint_round_trip_and_unreadable(tmp_path):
     (path / "trainable.safetensors").write_bytes(b"garbage")
     with pytest.raises(LeantuneError, match="step-00000007: checkpoint is unreadable"):
         load_checkpoint(path, model2, opt2)
+
+
+def test_checkpoint_holds_no_pickle_and_keys_state_by_name(tmp_path):
+    """The optimizer state is stored under parameter names: a model whose parameters are
+    registered in another order still gets each moment back on the right parameter."""
+    model, opt = _tiny_module()
+    path = save_checkpoint(tmp_path, 1, model, opt, {"data": {}})
+    for f in path.iterdir():
+        assert f.suffix in (".safetensors", ".json"), f.name
+
+    model2, _ = _tiny_module()
+    opt2 = torch.optim.AdamW([model2.bias, model2.weight], lr=0.1)  # reversed order
+    load_checkpoint(path, model2, opt2)
+    saved = opt.state_dict()["state"]
+    assert torch.equal(opt2.state[model2.weight]["exp_avg"], saved[0]["exp_avg"])
+    assert torch.equal(opt2.state[model2.bias]["exp_avg_sq"], saved[1]["exp_avg_sq"])
+    assert opt2.param_groups[0]["betas"] == (0.9, 0.999)
+
+
+class _Payload:
+    """Unpickling this creates `marker` (a stand-in for arbitrary code)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.mark.parametrize("name", ["optimizer.pt", "rng.pt"])
+def test_a_pickled_checkpoint_is_refused_without_running_it(tmp_path, name):
+    import pickle
+
+    model, opt = _tiny_module()
+    path = save_checkpoint(tmp_path, 3, model, opt, {"data": {}})
+    # an old-format (or crafted) checkpoint: its state as pickles instead of safetensors
+    for f in ("optimizer.safetensors", "optimizer.json", "rng.safetensors"):
+        (path / f).unlink()
+    marker = tmp_path / "code-ran"
+    (path / name).write_bytes(pickle.dumps(_Payload(marker)))
+    with pytest.raises(LeantuneError) as e:
+        load_checkpoint(path, *_tiny_module())
+    msg = str(e.value)
+    assert f"{path}: {name} is a pickle" in msg and "--overwrite" in msg
+    assert f"leantune export --adapter {path}" in msg and "\n" not in msg
+    assert not marker.exists()
+    pickle.loads((path / name).read_bytes())  # teeth: the payload is live
+    assert marker.exists()
 
 
 # --- schedule ------------------------------------------------------------------------------------

@@ -27,8 +27,10 @@ def quiet(*_args, **_kw):
 
 def make_cfg(model, data, output, **kw) -> TrainConfig:
     base = dict(model=str(model), data=str(data), output=str(output), max_seq_len=128,
-                batch_size=2, lr=1e-3, warmup_steps=2, lora_r=4, lora_alpha=8.0, device="cpu",
-                dtype="float32", progress=False)
+                batch_size=2, lr=1e-3, warmup_steps=2, device="cpu", dtype="float32",
+                progress=False)
+    if not kw.get("full"):
+        base.update(lora_r=4, lora_alpha=8.0)
     return TrainConfig(**{**base, **kw})
 
 
@@ -147,7 +149,8 @@ def _interrupted_run(cfg: TrainConfig, how: str, monkeypatch) -> None:
 
     monkeypatch.setattr(tr, "train_step", flaky)
     if how == "interrupt":
-        with pytest.raises(LeantuneError, match="interrupted at step 4.*--resume"):
+        with pytest.raises(LeantuneError, match=r"interrupted \(Ctrl-C\) at step 4; checkpoint saved to .*step-00000004; "
+                                       "continue with the same command plus --resume"):
             tr.train()
     else:
         with pytest.raises(RuntimeError, match="simulated crash"):
@@ -224,8 +227,8 @@ def test_resume_restores_the_fp16_loss_scale(tiny_ckpt, alpaca_file, tmp_path): 
     tr.scaler = torch.amp.GradScaler("cpu", init_scale=512.0, growth_interval=1)
     tr.train()
     resumed = Trainer(dataclasses.replace(cfg, resume=True), log=quiet)
-    assert resumed.step == 1
-    assert resumed.scaler.get_scale() == 1024.0
+    assert resumed.step == 2
+    assert resumed.scaler.get_scale() == 2048.0
     assert resumed.scaler.state_dict()["growth_interval"] == 1
 
 
@@ -349,6 +352,28 @@ def test_a_pickled_checkpoint_is_refused_without_running_it(tmp_path, name):
     assert not marker.exists()
     pickle.loads((path / name).read_bytes())  # teeth: the payload is live
     assert marker.exists()
+
+
+def test_a_tokenizer_with_custom_code_loads_without_running_it(tmp_path):
+    """A checkpoint folder whose tokenizer_config.json points at its own Python file (auto_map):
+    leantune loads the tokenizer from its data files and never imports that file."""
+    import json
+    import shutil
+
+    from leantune import assets
+    from leantune.train.trainer import load_tokenizer
+
+    folder = tmp_path / "model"
+    shutil.copytree(assets.path("tiny-llama"), folder)
+    marker = tmp_path / "code-ran"
+    (folder / "tokenization_custom.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\n"
+        "from transformers import PreTrainedTokenizerFast as CustomTokenizer\n")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["auto_map"] = {"AutoTokenizer": ["tokenization_custom.CustomTokenizer", None]}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = load_tokenizer(str(folder))
+    assert tok("hello").input_ids and not marker.exists()
 
 
 # --- schedule ------------------------------------------------------------------------------------

@@ -328,6 +328,10 @@ def test_export_of_a_full_checkpoint_says_what_to_do(run_with_checkpoints, tmp_p
     with pytest.raises(LeantuneError, match="adapter_config.json not found; --adapter must be an "
                                             "adapter folder .* or one checkpoint"):
         export_merged(base, tmp_path / "nothing", tmp_path / "out")
+    (ckpt / "state.json").write_text("{}")
+    with pytest.raises(LeantuneError, match=r"state.json: unreadable checkpoint state "
+                                            r"\(KeyError: 'config'\); export another checkpoint"):
+        export_merged(base, ckpt, tmp_path / "out")
 
 
 def _tensors_of(folder) -> dict[str, torch.Tensor]:

@@ -68,10 +68,21 @@ def test_a_corrupt_or_mismatched_model_is_found_from_its_headers(old_run, tiny_c
     shutil.copytree(tiny_ckpt, wide)
     config = json.loads((wide / "config.json").read_text())
     (wide / "config.json").write_text(json.dumps({**config, "intermediate_size": 80}))
+    short = tmp_path / "short"  # a weight missing from the shards
+    shutil.copytree(tiny_ckpt, short)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(short / "model.safetensors"))
+    del tensors["model.norm.weight"]
+    save_file(tensors, str(short / "model.safetensors"))
     for model, expect in ((cut, "model.safetensors: cannot read safetensors file .* truncated "
                                 "or corrupt, re-download it"),
-                          (wide, "has shape .* config.json implies .* do not belong to this "
-                                 "config.json")):
+                          (wide, r"has shape .* config.json implies .* do not belong to this "
+                                 r"config.json \(re-download the model, or restore its "
+                                 r"config.json\)"),
+                          (short, "1 weights missing from the checkpoint .e.g. model.norm.weight"
+                                  "."
+                                  "; the download is incomplete: re-download the model")):
         with pytest.raises(LeantuneError, match=expect):
             Trainer(dataclasses.replace(cfg, model=str(model), overwrite=True), log=quiet)
         assert snapshot(tmp_path / "run") == before

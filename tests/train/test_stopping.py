@@ -76,6 +76,36 @@ def test_interrupt_before_the_first_step_saves_nothing(tiny_ckpt, alpaca_file, t
     assert latest_checkpoint(tmp_path / "run") is None
 
 
+def test_interrupt_before_the_first_resumed_step_keeps_the_checkpoint(tiny_ckpt, alpaca_file,  # noqa: F811
+                                                                      tmp_path):
+    cfg = cfg_for(tiny_ckpt, alpaca_file, tmp_path / "run", save_every=2)
+    tr = Trainer(cfg, log=quiet)
+    fail_at(tr, 3, raise_(RuntimeError("crash")))
+    with pytest.raises(RuntimeError):
+        tr.train()
+    tr = Trainer(dataclasses.replace(cfg, resume=True), log=quiet)
+    fail_at(tr, 1, raise_(KeyboardInterrupt()))
+    with pytest.raises(LeantuneError) as e:
+        tr.train()
+    assert str(e.value) == ("interrupted (Ctrl-C) before the first step finished; its checkpoint "
+                            "at step 2 is unchanged; continue with the same command plus --resume")
+
+
+def test_resuming_a_finished_run_writes_a_missing_adapter(tiny_ckpt, alpaca_file, tmp_path):  # noqa: F811
+    """Stopped between the last checkpoint and the adapter (or asked to end at the step it
+    reached): --resume writes the final adapter from the checkpoint."""
+    cfg = cfg_for(tiny_ckpt, alpaca_file, tmp_path / "run", max_steps=2)
+    Trainer(cfg, log=quiet).train()
+    adapter = tmp_path / "run" / "adapter_model.safetensors"
+    want = adapter.read_bytes()
+    adapter.unlink()
+    logs = []
+    result = Trainer(dataclasses.replace(cfg, resume=True), log=logs.append).train()
+    assert result.steps_run == 0 and adapter.read_bytes() == want
+    ckpt = tmp_path / "run" / "checkpoints" / "step-00000002"
+    assert logs[-1] == f"wrote the final adapter from {ckpt}"
+
+
 def test_a_second_interrupt_while_saving_is_one_line(tiny_ckpt, alpaca_file, tmp_path,  # noqa: F811
                                                      monkeypatch):
     import leantune.train.trainer as trainer_mod
@@ -100,7 +130,7 @@ def test_a_second_interrupt_while_saving_is_one_line(tiny_ckpt, alpaca_file, tmp
     assert latest_checkpoint(tmp_path / "run") == last
 
 
-# --- NaN / inf ---------------------------------------------------------------------------------------
+# --- NaN / inf -----------------------------------------------------------------------------------
 
 def nan_loss(window, real):
     loss, gnorm, n = real(window)

@@ -323,6 +323,18 @@ def test_checkpoint_holds_no_pickle_and_keys_state_by_name(tmp_path):
     assert opt2.param_groups[0]["betas"] == (0.9, 0.999)
 
 
+def test_optimizer_state_of_other_parameters_is_one_line(tmp_path):
+    model, opt = _tiny_module()
+    path = save_checkpoint(tmp_path, 1, model, opt, {"data": {}})
+    model2, _ = _tiny_module()
+    model2.bias.requires_grad_(False)  # the same weights, but only one of them trained
+    opt2 = torch.optim.AdamW([model2.weight], lr=0.1)
+    with pytest.raises(LeantuneError, match=r"step-00000001: the optimizer state does not match "
+                                            r"this run's parameters \(e.g. bias\); resume with "
+                                            "the same model and LoRA settings"):
+        load_checkpoint(path, model2, opt2)
+
+
 class _Payload:
     """Unpickling this creates `marker` (a stand-in for arbitrary code)."""
 

@@ -34,7 +34,9 @@ def test_an_interrupt_swallowed_by_a_finaliser_is_delivered_again(capsys):
     with signals.as_interrupts():
         with pytest.raises(KeyboardInterrupt):
             Finalised()  # dropped at once: __del__ runs and raises
-            time.sleep(5)  # the signal delivered again ends the sleep
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:  # the signal delivered again lands here
+                time.sleep(0.01)
     assert "Exception ignored" not in capsys.readouterr().err
 
 

@@ -29,7 +29,8 @@ class LoRAConfig:
             raise LeantuneError(f"--lora-r must be a positive integer, got {self.r}")
         if not 0.0 < self.alpha < float("inf"):
             raise LeantuneError(f"--lora-alpha must be a positive number, got {self.alpha} "
-                                "(the adapter is scaled by alpha / r; alpha = r is a common choice)")
+                                "(the adapter is scaled by alpha / r; alpha = r is a common "
+                                "choice)")
         if not 0.0 <= self.dropout < 1.0:
             raise LeantuneError(f"--lora-dropout must be in [0, 1), got {self.dropout}")
 

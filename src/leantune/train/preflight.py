@@ -26,7 +26,8 @@ def check_weights(folder: Path) -> None:
     for f in files:
         try:
             with safe_open(str(f), framework="pt", device="cpu") as sf:
-                shapes = {key: tuple(sf.get_slice(key).get_shape()) for key in sf.keys()}  # noqa: SIM118
+                keys = list(sf.keys())
+                shapes = {key: tuple(sf.get_slice(key).get_shape()) for key in keys}
         except Exception as e:
             raise LeantuneError(f"{f}: cannot read safetensors file ({type(e).__name__}: "
                                 f"{str(e)[:120]}); the file is truncated or corrupt, "
@@ -34,11 +35,13 @@ def check_weights(folder: Path) -> None:
         for key, shape in shapes.items():
             if key in want and shape != want[key]:
                 raise LeantuneError(f"{f}: tensor {key} has shape {shape}, config.json implies "
-                                    f"{want[key]}; the weights do not belong to this config.json")
+                                    f"{want[key]}; the weights do not belong to this config.json "
+                                    "(re-download the model, or restore its config.json)")
             missing.discard(key)
     if missing:
         raise LeantuneError(f"{folder}: {len(missing)} weights missing from the checkpoint "
-                            f"(e.g. {sorted(missing)[0]}); the download is incomplete")
+                            f"(e.g. {sorted(missing)[0]}); the download is incomplete: "
+                            "re-download the model")
 
 
 def locate_model(name: str) -> Path:

@@ -25,7 +25,7 @@ class Terminated(KeyboardInterrupt):
 
 
 _received: list[int] = []  # signals that arrived within `as_interrupts`
-_depth = 0
+_previous_hook: list = []  # sys.unraisablehook outside each `as_interrupts` block
 
 
 def exit_code(interrupt: BaseException) -> int:
@@ -52,35 +52,36 @@ def _raise(signum, frame):
     raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
 
 
-def _unraisable(args, previous=sys.unraisablehook):
+def _unraisable(args):
     """An interrupt raised inside a finaliser cannot propagate: deliver it again a moment later
     (from a timer thread, so that it lands outside), without Python's "Exception ignored"
-    report."""
+    report. Anything else goes to the hook that was there before."""
     if isinstance(args.exc_value, KeyboardInterrupt):
         signum = signal.SIGTERM if isinstance(args.exc_value, Terminated) else signal.SIGINT
-        threading.Timer(0.001, os.kill, (os.getpid(), signum)).start()
+        main = threading.main_thread().ident
+        timer = threading.Timer(0.001, signal.pthread_kill, (main, signum))
+        timer.daemon = True
+        timer.start()
         return
-    previous(args)
+    _previous_hook[-1](args)
 
 
 @contextlib.contextmanager
 def as_interrupts():
     """Within the block, Ctrl-C and SIGTERM raise (and are noted); outside the main thread: no
     change. Blocks nest; the outermost one starts with nothing noted."""
-    global _depth
     if not _in_main_thread():
         yield
         return
-    if _depth == 0:
+    if not _previous_hook:
         _received.clear()
-    _depth += 1
     previous = {s: signal.signal(s, _raise) for s in (signal.SIGINT, signal.SIGTERM)}
-    previous_hook, sys.unraisablehook = sys.unraisablehook, _unraisable
+    _previous_hook.append(sys.unraisablehook)
+    sys.unraisablehook = _unraisable
     try:
         yield
     finally:
-        _depth -= 1
-        sys.unraisablehook = previous_hook
+        sys.unraisablehook = _previous_hook.pop()
         for s, handler in previous.items():
             signal.signal(s, handler)
 

@@ -111,6 +111,7 @@ def cmd_train(args) -> int:
     from .train.trainer import Trainer
 
     cfg, demo = _config_from_args(args)
+    cfg.validate()  # a bad flag fails before the demo's banner
     if demo:
         print("leantune demo: no --model/--data given, so fine-tuning the tiny Llama model bundled "
               "with leantune on its bundled instruction data (CPU-friendly: under a minute on 2 cores).")

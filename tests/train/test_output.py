@@ -88,6 +88,22 @@ def test_a_corrupt_or_mismatched_model_is_found_from_its_headers(old_run, tiny_c
         assert snapshot(tmp_path / "run") == before
 
 
+def test_resume_without_a_loadable_checkpoint_fails_before_the_weights(old_run, tmp_path,
+                                                                       monkeypatch):
+    import leantune.train.trainer as trainer_mod
+
+    cfg, _ = old_run
+    monkeypatch.setattr(trainer_mod, "load_model", lambda *a, **k: pytest.fail("weights read"))
+    ckpt = tmp_path / "run" / "checkpoints" / "step-00000002"
+    for f in ("optimizer.safetensors", "optimizer.json"):
+        (ckpt / f).unlink()
+    (ckpt / "optimizer.pt").write_bytes(b"\x80\x04N.")  # a pickle of None
+    with pytest.raises(LeantuneError, match=f"{ckpt}: optimizer.pt is a pickle"):
+        Trainer(dataclasses.replace(cfg, resume=True), log=quiet)
+    with pytest.raises(LeantuneError, match="no checkpoint found in .*; start without --resume"):
+        Trainer(dataclasses.replace(cfg, output=str(tmp_path / "new"), resume=True), log=quiet)
+
+
 def test_the_data_is_read_before_the_weights(tiny_ckpt, alpaca_file, tmp_path):  # noqa: F811
     logs = []
     Trainer(cfg_for(tiny_ckpt, alpaca_file, tmp_path / "run"), log=logs.append)

@@ -17,7 +17,7 @@ from pathlib import Path
 from ..errors import LeantuneError
 from ..export.full import TOKENIZER_FILES
 from ..utils import signals
-from .checkpoint import CKPT_DIR, latest_checkpoint
+from .checkpoint import CKPT_DIR, latest_checkpoint, refuse_pickled
 
 FULL_INDEX = "model.safetensors.index.json"
 RUN_MARKERS = ("adapter_config.json", "adapter_model.safetensors", "metrics.jsonl", CKPT_DIR,
@@ -47,12 +47,19 @@ class RunFolder:
         self.pending = False  # a previous run is set aside and not yet deleted
 
     def check(self, resume: bool, overwrite: bool) -> None:
-        """Refuse to clobber a previous run unless --overwrite or --resume."""
+        """Refuse to clobber a previous run unless --overwrite or --resume; --resume needs a
+        checkpoint that leantune loads."""
         previous = [m for m in RUN_MARKERS if (self.output / m).exists()]
         if previous and not (resume or overwrite):
             raise LeantuneError(f"{self.output}: output folder holds a previous run "
                                 f"({previous[0]}); pass --resume to continue it, --overwrite to "
                                 "replace it, or choose another --output")
+        if resume:
+            ckpt = latest_checkpoint(self.output)
+            if ckpt is None:
+                raise LeantuneError(f"{self.output}: --resume given but no checkpoint found in "
+                                    f"{self.output / CKPT_DIR}; start without --resume")
+            refuse_pickled(ckpt)
 
     def settle_leftover(self) -> None:
         """A previous run left set aside by a process that died: put it back if the run that set

@@ -37,7 +37,6 @@ from ..utils import signals
 from ..utils.io import atomic_write_text
 from ..utils.paths import check_output_folder
 from .checkpoint import (
-    CKPT_DIR,
     _rng_state,
     _set_rng_state,
     latest_checkpoint,
@@ -234,10 +233,7 @@ class Trainer:
                        else None)
 
     def _resume(self) -> None:
-        ckpt = latest_checkpoint(self.output)
-        if ckpt is None:
-            raise LeantuneError(f"{self.output}: --resume given but no checkpoint found in "
-                                f"{self.output / CKPT_DIR}; start without --resume")
+        ckpt = latest_checkpoint(self.output)  # there is one: RunFolder.check
         state = load_checkpoint(ckpt, self.model, self.optimizer)
         self._check_resumed_config(ckpt, state.get("config") or {})
         self.step = self.saved_step = int(state["step"])

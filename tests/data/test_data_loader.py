@@ -57,8 +57,9 @@ def test_truncation_and_dropping(tokenizer):
                              {"role": "assistant", "content": "world"}]}
     ds = SFTDataset([user_only, answered], tokenizer, max_seq_len=64)
     assert ds.dropped == {"empty": 1, "truncated": 0}
-    assert ds.dropped_summary() == ("1 of 2 rows dropped: 1 with no target tokens (an empty "
-                                    "text or response, or no assistant turn: fix or remove them)")
+    assert ds.dropped_summary() == ("1 of 2 rows dropped: 1 with no target tokens (e.g. a "
+                                    "conversation without an assistant turn, or an empty text: "
+                                    "fix or remove them)")
     with pytest.raises(LeantuneError, match="no trainable examples.*--max-seq-len 16"):
         SFTDataset([rows[1]], tokenizer, max_seq_len=16)
 

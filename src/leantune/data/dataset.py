@@ -57,7 +57,7 @@ class SFTDataset:
         num_rows: rows read. num_docs: documents kept.
         num_truncated: documents cut to max_seq_len.
         dropped: rows dropped because no target token remained, by reason: "empty" (the row
-            has none: an empty text, no assistant turn) or "truncated" (the prompt fills
+            has none: no assistant turn, an empty text) or "truncated" (the prompt fills
             max_seq_len); num_dropped is their sum.
         num_tokens / num_target_tokens: totals over kept documents.
         pad_id: padding token for batches (pad, else eos, else 0).
@@ -156,8 +156,8 @@ class SFTDataset:
         """The dropped rows, counted by reason, with what to do about them."""
         why = []
         if self.dropped["empty"]:
-            why.append(f"{self.dropped['empty']} with no target tokens (an empty text or "
-                       "response, or no assistant turn: fix or remove them)")
+            why.append(f"{self.dropped['empty']} with no target tokens (e.g. a conversation "
+                       "without an assistant turn, or an empty text: fix or remove them)")
         if self.dropped["truncated"]:
             why.append(f"{self.dropped['truncated']} whose prompt fills --max-seq-len "
                        f"{self.max_seq_len}, leaving no response token (raise --max-seq-len)")

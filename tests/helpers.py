@@ -203,6 +203,20 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
+def quiet(*_args, **_kw) -> None:
+    """A trainer log that drops everything."""
+
+
+def train_cfg(model, data, output, **kw):
+    """A TrainConfig for the tiny checkpoint on the CPU: LoRA r=4, fp32, no progress bar; `kw`
+    overrides."""
+    from leantune.train.config import TrainConfig
+
+    base = dict(model=str(model), data=str(data), output=str(output), max_seq_len=128,
+                batch_size=2, lr=1e-3, lora_r=4, device="cpu", dtype="float32", progress=False)
+    return TrainConfig(**{**base, **kw})
+
+
 def read_metrics(output: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(output) / "metrics.jsonl").read_text().splitlines()]
 

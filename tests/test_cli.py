@@ -15,8 +15,8 @@ from helpers import alpaca_file, alpaca_rows, read_metrics, tiny_ckpt, write_jso
 
 from leantune.cli import main
 
-FAST = ["--max-seq-len", "128", "--batch-size", "4", "--lora-r", "4", "--no-progress",
-        "--device", "cpu"]
+SMALL = ["--max-seq-len", "128", "--batch-size", "4", "--no-progress", "--device", "cpu"]
+FAST = [*SMALL, "--lora-r", "4"]
 
 
 def train(capsys, *args):
@@ -60,7 +60,8 @@ def test_lora_run_writes_adapter_and_metrics(tiny_ckpt, alpaca_file, tmp_path, c
         for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "peak_mem_gib"):
             assert isinstance(r[key], (int, float)), key
         assert r["loss"] > 0 and r["tokens_per_s"] > 0 and r["grad_norm"] >= 0
-    assert not (out_dir / "checkpoints").exists()  # save_every 0: no intermediate checkpoints
+    # no --save-every: only the last step is checkpointed (a finished run can be extended)
+    assert [p.name for p in (out_dir / "checkpoints").iterdir()] == ["step-00000002"]
 
 
 def test_full_finetune_writes_a_transformers_checkpoint(tiny_ckpt, alpaca_file, tmp_path,  # noqa: F811
@@ -68,7 +69,9 @@ def test_full_finetune_writes_a_transformers_checkpoint(tiny_ckpt, alpaca_file, 
     from transformers import AutoModelForCausalLM
 
     out_dir = tmp_path / "full"
-    run_ok(capsys, tiny_ckpt, alpaca_file, out_dir, "--full", "--lr", "1e-3")
+    rc, _, err = train(capsys, "--model", tiny_ckpt, "--data", alpaca_file, "--output", out_dir,
+                       "--max-steps", 2, *SMALL, "--full", "--lr", "1e-3")
+    assert rc == 0, err
     assert (out_dir / "config.json").is_file()
     index = json.loads((out_dir / "model.safetensors.index.json").read_text())
     assert all((out_dir / f).is_file() for f in set(index["weight_map"].values()))
@@ -119,23 +122,39 @@ def test_output_folder_is_protected(tiny_ckpt, alpaca_file, tmp_path, capsys):  
     assert (out_dir / "adapter_model.safetensors").read_bytes() != first
     assert [r["step"] for r in read_metrics(out_dir)] == [1, 2]  # replaced, not appended
 
-    # --resume needs a checkpoint: neither this finished run (no --save-every) nor a new folder
-    for folder in (out_dir, tmp_path / "fresh"):
-        line = one_line_error(capsys, "--model", tiny_ckpt, "--data", alpaca_file, "--output",
-                              folder, "--max-steps", 2, "--resume", *FAST)
-        assert "no checkpoint found" in line and str(folder) in line
+    # --resume needs a checkpoint
+    folder = tmp_path / "fresh"
+    line = one_line_error(capsys, "--model", tiny_ckpt, "--data", alpaca_file, "--output",
+                          folder, "--max-steps", 2, "--resume", *FAST)
+    assert "no checkpoint found" in line and str(folder) in line and "without --resume" in line
 
 
-def test_resume_from_the_cli(tiny_ckpt, alpaca_file, tmp_path, capsys):  # noqa: F811
+def test_a_finished_run_resumes_to_nothing_and_extends(tiny_ckpt, alpaca_file, tmp_path,  # noqa: F811
+                                                         capsys):
     out_dir = tmp_path / "run"
-    args = ["--model", tiny_ckpt, "--data", alpaca_file, "--output", out_dir, "--max-steps", 4,
-            "--save-every", 2, *FAST]
-    assert train(capsys, *args)[0] == 0
-    assert (out_dir / "checkpoints" / "step-00000002").is_dir()
-    rc, out, err = train(capsys, *args, "--resume")
+    args = ["--model", tiny_ckpt, "--data", alpaca_file, "--output", out_dir, *FAST]
+    assert train(capsys, *args, "--max-steps", 2)[0] == 0
+    adapter = (out_dir / "adapter_model.safetensors").read_bytes()
+
+    rc, out, err = train(capsys, *args, "--max-steps", 2, "--resume")
+    assert rc == 0 and err == "", err
+    assert f"{out_dir}: the run already finished at step 2; nothing to do" in out
+    assert "a larger --max-steps or --epochs" in out and "done:" not in out
+    assert [r["step"] for r in read_metrics(out_dir)] == [1, 2]
+    assert (out_dir / "adapter_model.safetensors").read_bytes() == adapter
+
+    rc, out, err = train(capsys, *args, "--max-steps", 4, "--resume")
     assert rc == 0, err
     assert "resumed from" in out and "step-00000002" in out
+    assert ("the run now has 4 optimizer steps (it was started with 2): the cosine schedule "
+            "runs over 4 steps, so step 3 gets learning rate") in out
     assert [r["step"] for r in read_metrics(out_dir)] == [1, 2, 3, 4]
+    assert (out_dir / "checkpoints" / "step-00000004").is_dir()
+    assert (out_dir / "adapter_model.safetensors").read_bytes() != adapter
+
+    line = one_line_error(capsys, *args, "--max-steps", 3, "--resume")
+    assert "the run is at step 4, past the 3 steps this command asks for" in line
+    assert "--max-steps 4 or more" in line
 
 
 # --- YAML config ---------------------------------------------------------------------------------
@@ -200,8 +219,7 @@ def test_model_errors(tiny_ckpt, alpaca_file, tmp_path, capsys):  # noqa: F811
     assert all(t in line for t in ("llama", "mistral", "qwen2", "qwen3"))
 
     no_weights = tmp_path / "no-weights"
-    no_weights.mkdir()
-    shutil.copy(tiny_ckpt / "config.json", no_weights)
+    shutil.copytree(tiny_ckpt, no_weights, ignore=shutil.ignore_patterns("*.safetensors"))
     line = err(no_weights)
     assert str(no_weights) in line and "no *.safetensors" in line
 
@@ -248,10 +266,27 @@ def test_data_errors(tiny_ckpt, tmp_path, capsys):  # noqa: F811
     (["--eval-fraction", "1.5"], "--eval-fraction must be in [0, 1)"),
     (["--lora-dropout", "1"], "--lora-dropout must be in [0, 1)"),
     (["--device", "cpu", "--activations", "offload"], "offload needs a CUDA device"),
+    (["--lr", "nan"], "--lr must be a finite number, got nan"),
+    (["--lr", "inf"], "--lr must be a finite number, got inf"),
+    (["--epochs", "nan"], "--epochs must be a finite number, got nan"),
+    (["--eval-data", "x.jsonl", "--eval-fraction", "0.1"],
+     "--eval-data and --eval-fraction both give an evaluation set; keep one of them"),
+    (["--full", "--lora-r", "8"], "--lora-r is a LoRA setting, and --full trains every weight "
+                                  "without an adapter; drop --lora-r or --full"),
+    (["--full", "--lora-targets", "q,v"], "drop --lora-targets or --full"),
+    (["--lora-alpha", "-16"], "--lora-alpha must be a positive number, got -16.0 (the adapter is "
+                              "scaled by alpha / r; alpha = r is a common choice)"),
+    (["--max-grad-norm", "-1"], "--max-grad-norm must be 0 or more, got -1.0; 0 turns clipping "
+                                "off"),
+    (["--weight-decay", "-0.1"], "--weight-decay must be 0 or more, got -0.1"),
+    (["--save-every", "0"], "--save-every must be a positive number of steps, got 0; leave it "
+                            "out to checkpoint only at the end"),
+    (["--resume", "--overwrite"], "--resume continues the run in --output and --overwrite "
+                                  "replaces it; give one of them"),
 ])
 def test_flag_errors(tiny_ckpt, alpaca_file, tmp_path, capsys, extra, expect):  # noqa: F811
     line = one_line_error(capsys, "--model", tiny_ckpt, "--data", alpaca_file, "--output",
-                          tmp_path / "out", *FAST, *extra)
+                          tmp_path / "out", *(SMALL if "--full" in extra else FAST), *extra)
     assert expect in line
 
 
@@ -274,7 +309,132 @@ def test_model_and_data_go_together(tiny_ckpt, alpaca_file, tmp_path, capsys):  
     assert "--model is required" in line
 
 
+def test_output_naming_a_file(tiny_ckpt, alpaca_file, tmp_path, capsys):  # noqa: F811
+    (tmp_path / "run.txt").write_text("mine")
+    line = one_line_error(capsys, "--model", tiny_ckpt, "--data", alpaca_file, "--output",
+                          tmp_path / "run.txt", *FAST)
+    assert line.endswith(f"--output {tmp_path / 'run.txt'} is a file; give a folder (it is "
+                         "created if missing)")
+    assert (tmp_path / "run.txt").read_text() == "mine"
+
+
+def test_output_is_the_model_folder(tiny_ckpt, tmp_path, alpaca_file, capsys):  # noqa: F811
+    """`train --output S` with S the model folder: refused, even with --overwrite, and the
+    model's files stay as they are."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_ckpt, model)
+    before = {p.name: p.read_bytes() for p in model.iterdir()}
+    for extra in ([], ["--overwrite"]):
+        line = one_line_error(capsys, "--model", model, "--data", alpaca_file, "--output", model,
+                              *FAST, *extra)
+        assert f"--output {model} is the model folder {model}; write to a folder of its own" in line
+    assert {p.name: p.read_bytes() for p in model.iterdir()} == before
+
+
+def test_empty_yaml_config_is_refused_not_the_demo(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("# nothing yet\n")
+    line = one_line_error(capsys, "--config", cfg)
+    assert line.endswith(f"{cfg}: the config file is empty; write the options as `key: value` "
+                         "lines, e.g. `model: org/name` and `data: train.jsonl`")
+    assert list(tmp_path.iterdir()) == [cfg]  # no demo ran
+
+
+def test_no_progress_prints_a_line_per_step_and_all_on_stdout(tiny_ckpt, alpaca_file,  # noqa: F811
+                                                               tmp_path, capsys):
+    rc, out, err = train(capsys, "--model", tiny_ckpt, "--data", alpaca_file, "--output",
+                         tmp_path / "run", "--max-steps", 3, *FAST)
+    assert rc == 0 and err == "", err  # `> log` keeps the whole run
+    lines = out.splitlines()
+    steps = [ln for ln in lines if ln.startswith("step ")]
+    assert [ln.split()[1] for ln in steps] == ["1/3", "2/3", "3/3"]
+    assert all("loss" in ln and "tok/s" in ln for ln in steps)
+    assert lines[0].startswith("data: ") and lines[-1].startswith("done: 3 steps")
+
+
+def test_dropped_rows_are_reported_with_the_reason(tiny_ckpt, tmp_path, capsys):  # noqa: F811
+    rows = alpaca_rows(20) + [{"instruction": "Paris " * 300, "output": "x"}]
+    data = write_jsonl(tmp_path / "data.jsonl", rows)
+    out = run_ok(capsys, tiny_ckpt, data, tmp_path / "run", "--max-seq-len", 64)
+    assert ("note: training data: 1 of 21 rows dropped: 1 whose prompt fills --max-seq-len 64, "
+            "leaving no response token (raise --max-seq-len)") in out
+
+
+def test_ctrl_c_during_start_up_is_one_line(tiny_ckpt, alpaca_file, tmp_path, capsys,  # noqa: F811
+                                            monkeypatch):
+    import leantune.train.trainer as trainer_mod
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    out_dir = tmp_path / "run"
+    run_ok(capsys, tiny_ckpt, alpaca_file, out_dir)
+    before = (out_dir / "adapter_model.safetensors").read_bytes()
+    monkeypatch.setattr(trainer_mod, "load_model", interrupted)
+    rc, _, err = train(capsys, "--model", tiny_ckpt, "--data", alpaca_file, "--output", out_dir,
+                       "--max-steps", 2, "--overwrite", *FAST)
+    assert rc == 130 and err == "leantune: interrupted (Ctrl-C); nothing was written\n"
+    assert (out_dir / "adapter_model.safetensors").read_bytes() == before
+
+
+def test_an_error_after_a_signal_is_reported_as_the_interruption(tiny_ckpt, alpaca_file,  # noqa: F811
+                                                                 tmp_path, capsys, monkeypatch):
+    """A library that turns the KeyboardInterrupt into its own error (e.g. while it imports)
+    must not make the user read about a broken tokenizer."""
+    import os
+    import signal
+
+    import leantune.train.trainer as trainer_mod
+
+    def swallowing(*a, **k):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+        except KeyboardInterrupt:
+            raise ModuleNotFoundError("No module named 'half_imported'") from None
+
+    monkeypatch.setattr(trainer_mod, "load_tokenizer", swallowing)
+    rc, _, err = train(capsys, "--model", tiny_ckpt, "--data", alpaca_file, "--output",
+                       tmp_path / "run", *FAST)
+    assert rc == 130 and err == "leantune: interrupted (Ctrl-C); nothing was written\n"
+
+
+@pytest.mark.parametrize("extra", [[], ["--full"]])
+def test_the_demo_suggests_an_open_model_next(tmp_path, capsys, extra):
+    """The demo's hint names a model that downloads without a licence, and says how to log in
+    for gated ones; with --full the demo's LoRA settings are not applied (they would be
+    refused)."""
+    from leantune.cli import OPEN_MODEL
+
+    rc, out, err = train(capsys, "--max-steps", 1, "--output", tmp_path / "demo", "--device",
+                         "cpu", "--no-progress", *extra)
+    assert rc == 0, err
+    assert f"leantune train --model {OPEN_MODEL} --data my_data.jsonl --output my-run" in out
+    assert f"{OPEN_MODEL} downloads without a licence to accept" in out
+    assert "accept the licence on the model's page" in out
+    assert "`hf auth login` (or set HF_TOKEN)" in out
+
+
 # --- help ----------------------------------------------------------------------------------------
+
+
+def test_version(capsys):
+    import leantune
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out == f"leantune {leantune.__version__}\n"
+
+
+def test_import_leantune_does_not_wait_for_torch():
+    """`leantune --version` and the start of every command come before torch loads (so a
+    Ctrl-C while it loads reaches the command's handler); the API names load on use."""
+    code = ("import sys, leantune; assert 'torch' not in sys.modules; "
+            "leantune.LoRAConfig; assert 'torch' in sys.modules")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr
 
 def test_module_help_runs():
     res = subprocess.run([sys.executable, "-m", "leantune", "--help"], capture_output=True,

@@ -85,6 +85,35 @@ def test_optional_peft_missing_is_not_a_failure(monkeypatch):
     assert line.startswith("no") and "pip install peft" in line
 
 
+def test_optional_extras_are_listed_with_their_install(monkeypatch):
+    monkeypatch.setattr(doctor, "installed_version",
+                        lambda d: None if d in ("wandb", "gguf") else "9.9")
+    rc, lines = _run()
+    assert rc == 0  # optional: not a failure
+    by_name = _check_lines(lines)
+    for dist, purpose, extra in doctor.OPTIONAL:
+        line = by_name[dist]
+        if dist in ("wandb", "gguf"):
+            assert line == (f"no       {dist:<18} not installed (optional, for {purpose}): "
+                            f"pip install 'leantune[{extra}]'")
+        else:
+            assert line.startswith("ok") and "9.9 (optional" in line
+    assert {extra for _, _, extra in doctor.OPTIONAL} <= set(_pyproject_extras())
+
+
+def _pyproject_extras() -> set[str]:
+    """The extras pyproject.toml declares (doctor's install hints must name real ones)."""
+    from pathlib import Path
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        pytest.skip("tomllib needs Python >= 3.11")
+    root = Path(doctor.__file__).resolve().parents[2]
+    data = tomllib.loads((root / "pyproject.toml").read_text())
+    return set(data["project"]["optional-dependencies"])
+
+
 def test_host_memory_without_psutil(monkeypatch):
     monkeypatch.setitem(sys.modules, "psutil", None)  # import psutil now raises ImportError
     mem = doctor.host_memory()

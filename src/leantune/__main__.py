@@ -1,7 +1,5 @@
-"""`python -m leantune` runs the same CLI as the `leantune` console script."""
+"""`python -m leantune` runs the same program as the `leantune` console script."""
 
-import sys
+from .cli import run
 
-from .cli import main
-
-sys.exit(main())
+run()

@@ -1,6 +1,8 @@
 """The `leantune` command line: train, export, doctor.
 
-Every user error ends as one line on stderr and exit code 2, never a traceback.
+Every user error ends as one line on stderr and exit code 2, never a traceback. A run's log,
+progress and summary go to stdout. Ctrl-C and SIGTERM end the command with one line and exit
+code 130 or 143 (a run checkpoints first).
 """
 
 from __future__ import annotations
@@ -9,7 +11,12 @@ import argparse
 import sys
 from pathlib import Path
 
+from . import __version__
 from .errors import LeantuneError
+from .utils import signals
+
+# The demo's suggestion for a first run on real data: an open model (no licence to accept).
+OPEN_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 
 # The embedded default: a short real fine-tune of the bundled tiny model on the bundled data.
 DEMO = dict(max_seq_len=256, batch_size=8, grad_accum=1, lr=2e-3, max_steps=120, warmup_steps=10,
@@ -48,8 +55,10 @@ def _train_parser(sub) -> None:
     a("--eval-data", help="evaluation data file")
     a("--eval-fraction", type=float, help="hold out this fraction of --data for evaluation")
     a("--eval-every", type=int, help="evaluate every N steps (default 50)")
-    a("--save-every", type=int, help="checkpoint every N steps (default: only at the end)")
-    a("--resume", action="store_true", default=None, help="continue from the last checkpoint")
+    a("--save-every", type=int, help="checkpoint every N steps (default: only at the end; "
+                                      "the last step is always checkpointed)")
+    a("--resume", action="store_true", default=None,
+      help="continue from the last checkpoint (with a larger --max-steps or --epochs: train on)")
     a("--overwrite", action="store_true", default=None, help="replace a previous run in --output")
     a("--seed", type=int, help="random seed (default 42)")
     a("--device", help="cuda, cuda:1, cpu (default: cuda if available)")
@@ -85,7 +94,7 @@ def _train_parser(sub) -> None:
                    help="host link rate the memory planner assumes (default 50 GB/s)")
     a("--log-every", type=int, help="log every N steps (default 1)")
     a("--no-progress", dest="progress", action="store_false", default=None,
-      help="no progress bar (plain log lines)")
+      help="no progress bar: a plain line per logged step")
 
 
 def _config_from_args(args):
@@ -100,7 +109,9 @@ def _config_from_args(args):
     if demo:
         from . import assets
 
-        values = {**DEMO, **values}
+        # with --full the demo's LoRA settings do not apply
+        values = {**{k: v for k, v in DEMO.items()
+                     if not (values.get("full") and k.startswith("lora_"))}, **values}
         values["model"] = str(assets.path("tiny-llama"))
         values["data"] = str(assets.path("data/tiny_sft.jsonl"))
         values.setdefault("eval_data", str(assets.path("data/tiny_sft_eval.jsonl")))
@@ -117,11 +128,14 @@ def cmd_train(args) -> int:
     from .train.trainer import Trainer
 
     cfg, demo = _config_from_args(args)
+    cfg.validate()  # a bad flag fails before the demo's banner
     if demo:
         print("leantune demo: no --model/--data given, so fine-tuning the tiny Llama model bundled "
               "with leantune on its bundled instruction data (CPU-friendly: under a minute on 2 cores).")
     trainer = Trainer(cfg)
     result = trainer.train()
+    if result.steps_run == 0:
+        return 0  # a finished run resumed: the trainer said so
     out = Path(cfg.output)
     if result.first_eval_loss is not None and result.final_eval_loss is not None:
         print(f"eval loss: {result.first_eval_loss:.4f} -> {result.final_eval_loss:.4f}")
@@ -129,11 +143,12 @@ def cmd_train(args) -> int:
     print(f"done: {result.steps} steps, {result.tokens_per_s:,.0f} tokens/s; {what} in {out}/, "
           f"metrics in {out / 'metrics.jsonl'}")
     if demo:
-        print("\nNext, with your own model and data:\n"
-              "  leantune train --model meta-llama/Llama-3.2-1B --data my_data.jsonl "
-              "--output my-run\n"
-              "  leantune export --model meta-llama/Llama-3.2-1B --adapter my-run "
-              "--output my-run-merged")
+        print(f"\nNext, with your own model and data ({OPEN_MODEL} downloads without a "
+              f"licence to accept):\n"
+              f"  leantune train --model {OPEN_MODEL} --data my_data.jsonl --output my-run\n"
+              f"  leantune export --model {OPEN_MODEL} --adapter my-run --output my-run-merged\n"
+              "Gated models (e.g. meta-llama/Llama-3.2-1B): accept the licence on the model's "
+              "page at huggingface.co, then log in with `hf auth login` (or set HF_TOKEN).")
     return 0
 
 
@@ -141,7 +156,7 @@ def cmd_export(args) -> int:
     from .export import export_merged
 
     out = export_merged(args.model, args.adapter, args.output, dtype=args.dtype,
-                        overwrite=args.overwrite)
+                        overwrite=args.overwrite, log=print)
     print(f"merged checkpoint written to {out}/ (loads with transformers "
           "AutoModelForCausalLM.from_pretrained)")
     return 0
@@ -155,34 +170,58 @@ def cmd_doctor(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="leantune", description="Fast, memory-lean LLM fine-tuning.")
+    p.add_argument("--version", action="version", version=f"leantune {__version__}")
     sub = p.add_subparsers(dest="command", metavar="{train,export,doctor}")
     _train_parser(sub)
     e = sub.add_parser("export", help="merge a LoRA adapter into its base: HF safetensors")
     e.add_argument("--model", required=True, help="base checkpoint folder or hub id")
-    e.add_argument("--adapter", required=True, help="adapter folder written by `leantune train`")
+    e.add_argument("--adapter", required=True,
+                   help="adapter folder written by `leantune train` (or PEFT), a run folder "
+                        "(its latest checkpoint when the run has no final adapter), or one "
+                        "checkpoint: RUN/checkpoints/step-N")
     e.add_argument("--output", required=True, help="folder for the merged checkpoint")
     e.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                    help="output dtype (default: the base's)")
-    e.add_argument("--overwrite", action="store_true")
+    e.add_argument("--overwrite", action="store_true",
+                   help="replace a previous export in --output (other files there are kept)")
     sub.add_parser("doctor", help="check the environment and what leantune will use")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command is None:
-        build_parser().print_help()
-        return 0
-    handler = {"train": cmd_train, "export": cmd_export, "doctor": cmd_doctor}[args.command]
-    try:
-        return handler(args)
-    except LeantuneError as e:
-        print(f"leantune: error: {e}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:
-        print("leantune: interrupted", file=sys.stderr)
-        return 130
+    """Run one command; returns its exit code (0 ok, 2 bad input, 130 / 143 interrupted)."""
+    with signals.as_interrupts():
+        try:
+            args = build_parser().parse_args(argv)
+            if args.command is None:
+                build_parser().print_help()
+                return 0
+            handler = {"train": cmd_train, "export": cmd_export, "doctor": cmd_doctor}
+            return handler[args.command](args)
+        except LeantuneError as e:
+            if e.exit_code == 2 and signals.received():  # a library turned Ctrl-C into an error
+                return _interrupted(signals.received())
+            print(f"leantune: error: {e}", file=sys.stderr)
+            return e.exit_code
+        except KeyboardInterrupt as e:  # before a run started, or in an export: nothing written
+            return _interrupted(e)
+        except Exception:
+            if signals.received():
+                return _interrupted(signals.received())
+            raise
+
+
+def _interrupted(interrupt: KeyboardInterrupt) -> int:
+    print(f"leantune: {signals.describe(interrupt)}; nothing was written", file=sys.stderr)
+    return signals.exit_code(interrupt)
+
+
+def run() -> None:
+    """The `leantune` program (console script and `python -m leantune`)."""
+    code = main()
+    signals.exit_quietly_on_signal()  # one more Ctrl-C while the interpreter shuts down: no trace
+    sys.exit(code)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -29,8 +29,20 @@ REQUIRED = [
     ("yaml", "pyyaml", "6"),
     ("tqdm", "tqdm", "4.66"),
 ]
+# Optional extras: (distribution, what it is for, the leantune extra that installs it).
+OPTIONAL = [
+    ("gguf", "GGUF export", "gguf"),
+    ("datasets", "Hugging Face hub datasets", "datasets"),
+    ("pyarrow", ".parquet data files", "parquet"),
+    ("matplotlib", "loss-curve plots", "plot"),
+    ("tensorboard", "TensorBoard logging", "tensorboard"),
+    ("wandb", "Weights & Biases logging", "wandb"),
+]
 MIN_TORCH = "2.4"
-TORCH_INSTALL = "pip install torch (CUDA builds: https://pytorch.org/get-started/locally/)"
+# PyPI's Linux torch wheels are CUDA builds (GBs of nvidia-* packages); PyTorch's CPU index has
+# the CPU builds
+TORCH_INSTALL = ("pip install torch on a GPU machine, pip install torch --index-url "
+                 "https://download.pytorch.org/whl/cpu on a CPU-only one")
 
 
 def _vtuple(v: str) -> tuple[int, ...]:
@@ -55,6 +67,17 @@ def import_version(module: str) -> str | None:
     except Exception:
         return None
     return str(getattr(mod, "__version__", "?"))
+
+
+def installed_version(dist: str) -> str | None:
+    """The installed version of a distribution, None when it is not installed (not imported:
+    some extras take seconds to import)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def training_dtype(cuda: bool, bf16: bool) -> str:
@@ -172,8 +195,8 @@ def run_doctor(print_fn: Callable[[str], None] = print) -> int:
                 why = (f"torch is built with CUDA {cuda_build} but no GPU is visible: check the "
                        "driver (nvidia-smi) and CUDA_VISIBLE_DEVICES")
             else:
-                why = ("this torch is a CPU-only build: for GPU training install a CUDA build, "
-                       "e.g. pip install torch --index-url https://download.pytorch.org/whl/cu124")
+                why = ("this torch is a CPU-only build: for GPU training install a CUDA build "
+                       "(on Linux, plain `pip install torch` is one)")
             line(NO, "CUDA", f"not available; {why}. leantune will train on the CPU (slow; the "
                              "built-in demo still runs)")
             line(NO, "GPU", "none")
@@ -233,6 +256,13 @@ def run_doctor(print_fn: Callable[[str], None] = print) -> int:
     else:
         line(NO, "peft", "not installed (optional: leantune writes PEFT-format adapters without "
                          "it; pip install peft to load them with PEFT)")
+    for dist, purpose, extra in OPTIONAL:
+        v = installed_version(dist)
+        if v is not None:
+            line(OK, dist, f"{v} (optional: {purpose})")
+        else:
+            line(NO, dist, f"not installed (optional, for {purpose}): "
+                           f"pip install 'leantune[{extra}]'")
 
     # What leantune will use
     if torch is not None:

@@ -222,3 +222,133 @@ def test_overwrite_removes_stale_shards(trained, ids, tmp_path):
     export_merged(base, adapter, out, overwrite=True)  # one shard
     shards = sorted(p.name for p in out.glob("model*.safetensors"))
     assert many > 1 and shards == ["model-00001-of-00001.safetensors"]
+
+
+# --- nothing is lost: the inputs are never the output, a failed export changes nothing ----------
+
+def _files(folder) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def test_output_overlapping_base_or_adapter_is_refused(trained, tmp_path):
+    base, adapter, _ = trained
+    before = _files(base), _files(adapter)
+    cases = [(base, f"--output {base} is the base model folder {base}"),
+             (base / "merged", f"--output {base / 'merged'} lies inside the base model folder"),
+             (base.parent, f"--output {base.parent} contains the base model folder"),
+             (adapter, f"--output {adapter} is the adapter folder {adapter}")]
+    for out, expect in cases:
+        with pytest.raises(LeantuneError) as e:
+            export_merged(base, adapter, out, overwrite=True)
+        assert str(e.value).startswith(expect)
+        assert str(e.value).endswith("write to a folder of its own, outside it")
+    assert (_files(base), _files(adapter)) == before
+    assert not (base / "merged").exists()
+
+
+def test_output_naming_a_file_is_refused(trained, tmp_path):
+    base, adapter, _ = trained
+    (tmp_path / "merged").write_text("mine")
+    with pytest.raises(LeantuneError, match="is a file; give a folder"):
+        export_merged(base, adapter, tmp_path / "merged", overwrite=True)
+    assert (tmp_path / "merged").read_text() == "mine"
+
+
+def test_a_failed_export_leaves_the_previous_one(trained, tmp_path, monkeypatch):
+    import leantune.export.merge as merge_mod
+
+    base, adapter, _ = trained
+    out = export_merged(base, adapter, tmp_path / "merged", max_shard_bytes=SHARD_BYTES)
+    before = _files(out)
+    real = merge_mod.write_sharded
+
+    def fail_midway(entries, folder, max_shard_bytes):
+        real(entries[:3], folder, max_shard_bytes)  # some shards written, then the disk fills
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(merge_mod, "write_sharded", fail_midway)
+    with pytest.raises(OSError):
+        export_merged(base, adapter, out, overwrite=True, max_shard_bytes=SHARD_BYTES)
+    assert _files(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["merged"]  # no temporary folder left
+
+
+@pytest.fixture(scope="module")
+def run_with_checkpoints(tmp_path_factory):
+    """A LoRA run of the tiny model (3 steps, a checkpoint at each) and its base."""
+    from helpers import alpaca_rows, make_tokenizer, save_tiny_checkpoint, write_jsonl
+
+    from leantune.train import TrainConfig, Trainer
+
+    root = tmp_path_factory.mktemp("ckpt_export")
+    base = save_tiny_checkpoint(root / "base", make_tokenizer())
+    data = write_jsonl(root / "train.jsonl", alpaca_rows(24))
+    cfg = TrainConfig(model=str(base), data=str(data), output=str(root / "run"),
+                      max_seq_len=128, batch_size=2, lr=1e-2, lora_r=4, lora_alpha=8,
+                      max_steps=3, save_every=1, keep_checkpoints=0, device="cpu",
+                      progress=False)
+    Trainer(cfg, log=lambda *a: None).train()
+    return base, root / "run"
+
+
+def test_export_from_any_checkpoint_and_from_an_interrupted_run(run_with_checkpoints,
+                                                                tmp_path):
+    base, run = run_with_checkpoints
+    final = _tensors_of(export_merged(base, run, tmp_path / "final"))
+    last = _tensors_of(export_merged(base, run / "checkpoints" / "step-00000003",
+                                     tmp_path / "step3"))
+    first = _tensors_of(export_merged(base, run / "checkpoints" / "step-00000001",
+                                      tmp_path / "step1"))
+    assert final.keys() == last.keys() == first.keys()
+    assert all(torch.equal(final[k], last[k]) for k in final)  # the last step is checkpointed
+    assert any(not torch.equal(final[k], first[k]) for k in final)
+
+    stopped = tmp_path / "stopped"  # a run stopped before its end: checkpoints, no adapter
+    shutil.copytree(run, stopped, ignore=shutil.ignore_patterns("adapter_*"))
+    notes = []
+    got = _tensors_of(export_merged(base, stopped, tmp_path / "from_stopped", log=notes.append))
+    assert all(torch.equal(got[k], final[k]) for k in final)
+    assert notes == [f"{stopped} has no final adapter (the run was stopped before its end?): "
+                     f"exporting its latest checkpoint, "
+                     f"{stopped / 'checkpoints' / 'step-00000003'}"]
+
+
+def test_export_of_a_full_checkpoint_says_what_to_do(run_with_checkpoints, tmp_path):
+    import json as json_
+
+    base, run = run_with_checkpoints
+    ckpt = tmp_path / "step-00000001"
+    shutil.copytree(run / "checkpoints" / "step-00000001", ckpt)
+    state = json_.loads((ckpt / "state.json").read_text())
+    state["config"]["full"] = True
+    (ckpt / "state.json").write_text(json_.dumps(state))
+    with pytest.raises(LeantuneError, match=r"a checkpoint of a full fine-tune \(--full\) holds "
+                                            r"whole weights.*--resume"):
+        export_merged(base, ckpt, tmp_path / "out")
+    with pytest.raises(LeantuneError, match="adapter_config.json not found; --adapter must be an "
+                                            "adapter folder .* or one checkpoint"):
+        export_merged(base, tmp_path / "nothing", tmp_path / "out")
+    (ckpt / "state.json").write_text("{}")
+    with pytest.raises(LeantuneError, match=r"state.json: unreadable checkpoint state "
+                                            r"\(KeyError: 'config'\); export another checkpoint"):
+        export_merged(base, ckpt, tmp_path / "out")
+
+
+def _tensors_of(folder) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in folder.glob("*.safetensors"):
+        out.update(load_file(str(f)))
+    return out
+
+
+def test_cli_export_errors_are_one_line(trained, tmp_path, capsys):
+    from leantune.cli import main
+
+    base, adapter, _ = trained
+    (tmp_path / "file").write_text("mine")
+    for out, expect in ((tmp_path / "file", "is a file; give a folder"),
+                        (base, "is the base model folder")):
+        rc = main(["export", "--model", str(base), "--adapter", str(adapter), "--output",
+                   str(out), "--overwrite"])
+        err = capsys.readouterr().err
+        assert rc == 2 and len(err.strip().splitlines()) == 1 and expect in err, err

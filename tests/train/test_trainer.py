@@ -27,8 +27,10 @@ def quiet(*_args, **_kw):
 
 def make_cfg(model, data, output, **kw) -> TrainConfig:
     base = dict(model=str(model), data=str(data), output=str(output), max_seq_len=128,
-                batch_size=2, lr=1e-3, warmup_steps=2, lora_r=4, lora_alpha=8.0, device="cpu",
-                dtype="float32", progress=False)
+                batch_size=2, lr=1e-3, warmup_steps=2, device="cpu", dtype="float32",
+                progress=False)
+    if not kw.get("full"):
+        base.update(lora_r=4, lora_alpha=8.0)
     return TrainConfig(**{**base, **kw})
 
 
@@ -147,7 +149,8 @@ def _interrupted_run(cfg: TrainConfig, how: str, monkeypatch) -> None:
 
     monkeypatch.setattr(tr, "train_step", flaky)
     if how == "interrupt":
-        with pytest.raises(LeantuneError, match="interrupted at step 4.*--resume"):
+        with pytest.raises(LeantuneError, match=r"interrupted \(Ctrl-C\) at step 4; checkpoint saved to .*step-00000004; "
+                                       "continue with the same command plus --resume"):
             tr.train()
     else:
         with pytest.raises(RuntimeError, match="simulated crash"):
@@ -224,8 +227,8 @@ def test_resume_restores_the_fp16_loss_scale(tiny_ckpt, alpaca_file, tmp_path): 
     tr.scaler = torch.amp.GradScaler("cpu", init_scale=512.0, growth_interval=1)
     tr.train()
     resumed = Trainer(dataclasses.replace(cfg, resume=True), log=quiet)
-    assert resumed.step == 1
-    assert resumed.scaler.get_scale() == 1024.0
+    assert resumed.step == 2
+    assert resumed.scaler.get_scale() == 2048.0
     assert resumed.scaler.state_dict()["growth_interval"] == 1
 
 
@@ -269,8 +272,9 @@ def test_checkpoints_are_atomic_and_pruned(tmp_path):
     (stale / "junk").write_text("x")
     path = save_checkpoint(tmp_path, 4, model, opt, {"data": {}}, keep=2)
     assert path == root / "step-00000004" == latest_checkpoint(tmp_path)
-    assert sorted(p.name for p in path.iterdir()) == ["optimizer.pt", "rng.pt", "state.json",
-                                                     "trainable.safetensors"]
+    assert sorted(p.name for p in path.iterdir()) == [
+        "optimizer.json", "optimizer.safetensors", "rng.safetensors", "state.json",
+        "trainable.safetensors"]
     assert sorted(p.name for p in root.iterdir()) == [".tmp-step-00000009", "step-00000003",
                                                      "step-00000004"]
     # keep=0 keeps everything
@@ -300,6 +304,88 @@ def test_checkpoint_round_trip_and_unreadable(tmp_path):
     (path / "trainable.safetensors").write_bytes(b"garbage")
     with pytest.raises(LeantuneError, match="step-00000007: checkpoint is unreadable"):
         load_checkpoint(path, model2, opt2)
+
+
+def test_checkpoint_holds_no_pickle_and_keys_state_by_name(tmp_path):
+    """The optimizer state is stored under parameter names: a model whose parameters are
+    registered in another order still gets each moment back on the right parameter."""
+    model, opt = _tiny_module()
+    path = save_checkpoint(tmp_path, 1, model, opt, {"data": {}})
+    for f in path.iterdir():
+        assert f.suffix in (".safetensors", ".json"), f.name
+
+    model2, _ = _tiny_module()
+    opt2 = torch.optim.AdamW([model2.bias, model2.weight], lr=0.1)  # reversed order
+    load_checkpoint(path, model2, opt2)
+    saved = opt.state_dict()["state"]
+    assert torch.equal(opt2.state[model2.weight]["exp_avg"], saved[0]["exp_avg"])
+    assert torch.equal(opt2.state[model2.bias]["exp_avg_sq"], saved[1]["exp_avg_sq"])
+    assert opt2.param_groups[0]["betas"] == (0.9, 0.999)
+
+
+def test_optimizer_state_of_other_parameters_is_one_line(tmp_path):
+    model, opt = _tiny_module()
+    path = save_checkpoint(tmp_path, 1, model, opt, {"data": {}})
+    model2, _ = _tiny_module()
+    model2.bias.requires_grad_(False)  # the same weights, but only one of them trained
+    opt2 = torch.optim.AdamW([model2.weight], lr=0.1)
+    with pytest.raises(LeantuneError, match=r"step-00000001: the optimizer state does not match "
+                                            r"this run's parameters \(e.g. bias\); resume with "
+                                            "the same model and LoRA settings"):
+        load_checkpoint(path, model2, opt2)
+
+
+class _Payload:
+    """Unpickling this creates `marker` (a stand-in for arbitrary code)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.mark.parametrize("name", ["optimizer.pt", "rng.pt"])
+def test_a_pickled_checkpoint_is_refused_without_running_it(tmp_path, name):
+    import pickle
+
+    model, opt = _tiny_module()
+    path = save_checkpoint(tmp_path, 3, model, opt, {"data": {}})
+    # an old-format (or crafted) checkpoint: its state as pickles instead of safetensors
+    for f in ("optimizer.safetensors", "optimizer.json", "rng.safetensors"):
+        (path / f).unlink()
+    marker = tmp_path / "code-ran"
+    (path / name).write_bytes(pickle.dumps(_Payload(marker)))
+    with pytest.raises(LeantuneError) as e:
+        load_checkpoint(path, *_tiny_module())
+    msg = str(e.value)
+    assert f"{path}: {name} is a pickle" in msg and "--overwrite" in msg
+    assert f"leantune export --adapter {path}" in msg and "\n" not in msg
+    assert not marker.exists()
+    pickle.loads((path / name).read_bytes())  # teeth: the payload is live
+    assert marker.exists()
+
+
+def test_a_tokenizer_with_custom_code_loads_without_running_it(tmp_path):
+    """A checkpoint folder whose tokenizer_config.json points at its own Python file (auto_map):
+    leantune loads the tokenizer from its data files and never imports that file."""
+    import json
+    import shutil
+
+    from leantune import assets
+    from leantune.train.trainer import load_tokenizer
+
+    folder = tmp_path / "model"
+    shutil.copytree(assets.path("tiny-llama"), folder)
+    marker = tmp_path / "code-ran"
+    (folder / "tokenization_custom.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\n"
+        "from transformers import PreTrainedTokenizerFast as CustomTokenizer\n")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["auto_map"] = {"AutoTokenizer": ["tokenization_custom.CustomTokenizer", None]}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = load_tokenizer(str(folder))
+    assert tok("hello").input_ids and not marker.exists()
 
 
 # --- schedule ------------------------------------------------------------------------------------

@@ -56,8 +56,9 @@ class SFTDataset:
         format: the format used.
         num_rows: rows read. num_docs: documents kept.
         num_truncated: documents cut to max_seq_len.
-        num_dropped: rows dropped because no target token remained (e.g. an empty response,
-            or a prompt that fills max_seq_len).
+        dropped: rows dropped because no target token remained, by reason: "empty" (the row
+            has none: no assistant turn, an empty text) or "truncated" (the prompt fills
+            max_seq_len); num_dropped is their sum.
         num_tokens / num_target_tokens: totals over kept documents.
         pad_id: padding token for batches (pad, else eos, else 0).
     """
@@ -82,17 +83,18 @@ class SFTDataset:
         self.docs: list[Document] = []
         self._truncated: list[bool] = []
         self.num_rows = len(rows)
-        self.num_dropped = 0
+        self.dropped = {"empty": 0, "truncated": 0}
         for loc, row in located:
             ids, mask = encode_example(row, self.format, tokenizer,
                                        train_on_inputs=self.train_on_inputs,
                                        source=self.source, line=loc)
+            has_target = any(mask[1:])  # token i + 1 is the target of token i
             cut = len(ids) > self.max_seq_len
             if cut:
                 ids, mask = ids[:self.max_seq_len], mask[:self.max_seq_len]
             labels = shift_labels(ids, mask)
             if all(x == IGNORE_INDEX for x in labels):
-                self.num_dropped += 1
+                self.dropped["truncated" if has_target else "empty"] += 1
                 continue
             self.docs.append((ids, labels))
             self._truncated.append(cut)
@@ -111,7 +113,7 @@ class SFTDataset:
         obj.docs = [parent.docs[i] for i in indices]
         obj._truncated = [parent._truncated[i] for i in indices]
         obj.num_rows = len(indices)
-        obj.num_dropped = 0
+        obj.dropped = {"empty": 0, "truncated": 0}
         return obj
 
     def split_eval(self, fraction: float, seed: int = 0) -> tuple["SFTDataset", "SFTDataset"]:
@@ -147,6 +149,21 @@ class SFTDataset:
         return len(self.docs)
 
     @property
+    def num_dropped(self) -> int:
+        return sum(self.dropped.values())
+
+    def dropped_summary(self) -> str:
+        """The dropped rows, counted by reason, with what to do about them."""
+        why = []
+        if self.dropped["empty"]:
+            why.append(f"{self.dropped['empty']} with no target tokens (e.g. a conversation "
+                       "without an assistant turn, or an empty text: fix or remove them)")
+        if self.dropped["truncated"]:
+            why.append(f"{self.dropped['truncated']} whose prompt fills --max-seq-len "
+                       f"{self.max_seq_len}, leaving no response token (raise --max-seq-len)")
+        return f"{self.num_dropped} of {self.num_rows} rows dropped: " + ", ".join(why)
+
+    @property
     def num_truncated(self) -> int:
         return sum(self._truncated)
 
@@ -169,7 +186,7 @@ class SFTDataset:
         if self.num_truncated:
             s += f", {self.num_truncated} truncated to {self.max_seq_len} tokens"
         if self.num_dropped:
-            s += f", {self.num_dropped} dropped (no target tokens)"
+            s += f"; {self.dropped_summary()}"
         return s
 
 

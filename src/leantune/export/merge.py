@@ -4,33 +4,74 @@ Streams tensor by tensor through the base checkpoint's shards (host memory near 
 adapted projection gets W + scaling * B @ A, computed in fp32 and cast to the output dtype; every
 other tensor is copied. config.json, generation_config.json and tokenizer files come along, so
 `transformers.AutoModelForCausalLM.from_pretrained(OUT)` gives the fine-tuned model's logits.
+
+The adapter is a PEFT adapter folder, a training checkpoint (RUN/checkpoints/step-N), or a run
+folder without a final adapter (an interrupted run: its latest checkpoint). The export is written
+into a hidden folder beside OUT and renamed into place at the end: a failed or interrupted export
+leaves OUT as it was, and OUT may never be, contain or lie inside the base or adapter folder.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 from pathlib import Path
 
 import torch
 
 from ..errors import LeantuneError
-from ..lora.peft_io import ADAPTER_WEIGHTS, parse_key, read_adapter_config
-from ..model.config import ModelConfig
+from ..lora import LoRAConfig
 from ..lora.layer import lora_scaling
+from ..lora.peft_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS, parse_key, read_adapter_config
+from ..model.config import ModelConfig
 from ..model.loader import DTYPES, resolve_checkpoint, safetensors_files
+from ..train.checkpoint import latest_checkpoint
+from ..utils import signals
 from ..utils.io import atomic_write_json
-from .full import copy_side_files, set_config_dtype
+from ..utils.paths import check_output_folder
+from .full import TOKENIZER_FILES, copy_side_files, set_config_dtype
 from .shards import write_sharded
 
 
+def adapter_source(path: Path, log=print) -> tuple[LoRAConfig, Path]:
+    """(LoRA settings, weights file) of --adapter `path`: a PEFT adapter folder, one training
+    checkpoint, or a run folder without a final adapter (its latest checkpoint)."""
+    if (path / ADAPTER_CONFIG).exists():
+        return read_adapter_config(path), path / ADAPTER_WEIGHTS
+    if (path / "state.json").exists() and (path / "trainable.safetensors").exists():
+        return _checkpoint_lora(path), path / "trainable.safetensors"
+    ckpt = latest_checkpoint(path) if path.is_dir() else None
+    if ckpt is not None:
+        log(f"{path} has no final adapter (the run was stopped before its end?): exporting its "
+            f"latest checkpoint, {ckpt}")
+        return _checkpoint_lora(ckpt), ckpt / "trainable.safetensors"
+    raise LeantuneError(f"{path / ADAPTER_CONFIG}: adapter_config.json not found; --adapter must "
+                        "be an adapter folder written by `leantune train` or PEFT, a run folder "
+                        "with checkpoints, or one checkpoint (RUN/checkpoints/step-N)")
 
-def _lora_deltas(adapter_dir: Path) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], float]:
+
+def _checkpoint_lora(ckpt: Path) -> LoRAConfig:
+    """The LoRA settings a training checkpoint was written with (its state.json)."""
+    try:
+        cfg = json.loads((ckpt / "state.json").read_text())["config"]
+        if cfg.get("full"):
+            raise LeantuneError(f"{ckpt}: a checkpoint of a full fine-tune (--full) holds whole "
+                                "weights, not an adapter to merge; finish the run (`leantune "
+                                "train ... --resume`) to write its model")
+        return LoRAConfig(r=int(cfg["lora_r"]), alpha=float(cfg["lora_alpha"]),
+                          targets=cfg["lora_targets"], use_rslora=bool(cfg["use_rslora"]))
+    except (ValueError, KeyError, TypeError) as e:
+        raise LeantuneError(f"{ckpt / 'state.json'}: unreadable checkpoint state "
+                            f"({type(e).__name__}: {e}); export another checkpoint") from None
+
+
+def _lora_deltas(cfg: LoRAConfig, path: Path) -> tuple[dict[str, tuple[torch.Tensor, ...]], float]:
+    """({base weight name: (lora_A [r, in], lora_B [out, r])}, scaling) from the weights file."""
     from safetensors.torch import load_file
 
-    cfg = read_adapter_config(adapter_dir)
     scaling = lora_scaling(cfg.r, cfg.alpha, cfg.use_rslora)
-    path = adapter_dir / ADAPTER_WEIGHTS
     try:
         tensors = load_file(str(path))
     except Exception as e:
@@ -47,25 +88,30 @@ def _lora_deltas(adapter_dir: Path) -> tuple[dict[str, tuple[torch.Tensor, torch
 
 def export_merged(model: str | os.PathLike, adapter_dir: str | os.PathLike | None,
                   out_dir: str | os.PathLike, dtype: str | None = None,
-                  overwrite: bool = False, max_shard_bytes: int = 4 << 30) -> Path:
+                  overwrite: bool = False, max_shard_bytes: int = 4 << 30, log=print) -> Path:
     """Merge `adapter_dir` into `model` and write a HF checkpoint to `out_dir`.
 
     Args:
         model: base checkpoint folder or hub id.
-        adapter_dir: PEFT-format adapter (None copies the base, re-sharded).
-        out_dir: output folder (must be new or empty unless overwrite).
+        adapter_dir: PEFT-format adapter, training checkpoint or run folder (`adapter_source`);
+            None copies the base, re-sharded.
+        out_dir: output folder (must be new or empty unless overwrite: then a previous export
+            there is replaced, other files are kept).
         dtype: "bfloat16" | "float16" | "float32"; default: the base tensors' own dtype.
         max_shard_bytes: size above which a new shard is started.
+        log: where a note on the adapter's source goes.
     """
     from safetensors import safe_open
 
     src = resolve_checkpoint(model)
     ModelConfig.from_file(src / "config.json")  # validates model_type
     out = Path(out_dir)
+    adapter = Path(adapter_dir) if adapter_dir else None
+    check_output_folder(out, {"base model": src, "adapter": adapter})
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise LeantuneError(f"{out}: output folder is not empty; choose a new folder or pass "
                             "--overwrite")
-    deltas, scaling = _lora_deltas(Path(adapter_dir)) if adapter_dir else ({}, 0.0)
+    deltas, scaling = _lora_deltas(*adapter_source(adapter, log)) if adapter else ({}, 0.0)
     out_dtype = DTYPES[dtype] if dtype else None
     entries, shapes = [], {}
     for f in safetensors_files(src):
@@ -99,17 +145,44 @@ def export_merged(model: str | os.PathLike, adapter_dir: str | os.PathLike | Non
             return t.to(out_dtype)
         return t
 
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
-        if stale.exists():  # --overwrite: no shard of a previous export may survive
-            stale.unlink()
-    write_sharded(entries, out, max_shard_bytes)
-    config = json.loads((src / "config.json").read_text())
-    if out_dtype is not None:
-        set_config_dtype(config, dtype)
-    atomic_write_json(out / "config.json", config)
-    copy_side_files(src, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        tmp.mkdir()
+        write_sharded(entries, tmp, max_shard_bytes)
+        config = json.loads((src / "config.json").read_text())
+        if out_dtype is not None:
+            set_config_dtype(config, dtype)
+        atomic_write_json(tmp / "config.json", config)
+        copy_side_files(src, tmp)
+        _publish(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
     return out
+
+
+def _is_export_file(name: str) -> bool:
+    return (name in ("config.json", "model.safetensors.index.json", *TOKENIZER_FILES)
+            or re.fullmatch(r"model.*\.safetensors", name) is not None)
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Put the finished export `tmp` in place of `out`. A previous `out` is renamed aside, the
+    new one renamed in (so no stale shard of a previous export survives), then the files of the
+    previous folder that are not an export's (a user's notes) move over and the rest is
+    deleted."""
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    with signals.deferred():
+        os.replace(out, old)
+        os.replace(tmp, out)
+    for f in old.iterdir():
+        if not _is_export_file(f.name):
+            os.replace(f, out / f.name)
+    shutil.rmtree(old)
 
 
 def _numel(shape) -> int:

@@ -27,6 +27,10 @@ class LoRAConfig:
         self.targets = normalize_targets(self.targets)
         if self.r <= 0:
             raise LeantuneError(f"--lora-r must be a positive integer, got {self.r}")
+        if not 0.0 < self.alpha < float("inf"):
+            raise LeantuneError(f"--lora-alpha must be a positive number, got {self.alpha} "
+                                "(the adapter is scaled by alpha / r; alpha = r is a common "
+                                "choice)")
         if not 0.0 <= self.dropout < 1.0:
             raise LeantuneError(f"--lora-dropout must be in [0, 1), got {self.dropout}")
 

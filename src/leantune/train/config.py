@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -35,7 +36,7 @@ class TrainConfig:
     eval_data: str | None = None
     eval_fraction: float = 0.0
     eval_every: int = 50
-    save_every: int = 0  # 0 = only at the end
+    save_every: int | None = None  # None = only at the end
     keep_checkpoints: int = 2
     log_every: int = 1
     resume: bool = False
@@ -67,19 +68,36 @@ class TrainConfig:
         """The engine options this config sets (checked: a bad value is a one-line error)."""
         return EngineOptions.from_dict({k: getattr(self, k) for k in EngineOptions().to_dict()})
 
+    # LoRA's settings: with --full they would be silently ignored, so they are refused
+    LORA_KEYS = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets", "use_rslora")
+    FLOAT_KEYS = ("lr", "weight_decay", "max_grad_norm", "epochs", "lora_alpha", "lora_dropout",
+                  "eval_fraction", "max_memory_gib")
+
     def validate(self) -> "TrainConfig":
+        for name in self.FLOAT_KEYS:
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise LeantuneError(f"{_flag(name)} must be a finite number, got {value}")
         if self.max_seq_len <= 0:
             raise LeantuneError(f"--max-seq-len must be a positive integer, got {self.max_seq_len}")
         for name in ("batch_size", "grad_accum"):
             if getattr(self, name) <= 0:
-                flag = "--" + name.replace("_", "-")
-                raise LeantuneError(f"{flag} must be a positive integer, got {getattr(self, name)}")
+                raise LeantuneError(f"{_flag(name)} must be a positive integer, got "
+                                    f"{getattr(self, name)}")
         if self.log_every <= 0:
             raise LeantuneError(f"--log-every must be a positive integer, got {self.log_every}")
-        for name in ("eval_every", "save_every", "warmup_steps", "keep_checkpoints"):
+        for name in ("eval_every", "warmup_steps", "keep_checkpoints"):
             if getattr(self, name) < 0:
-                flag = "--" + name.replace("_", "-")
-                raise LeantuneError(f"{flag} must be 0 or more, got {getattr(self, name)}")
+                raise LeantuneError(f"{_flag(name)} must be 0 or more, got {getattr(self, name)}")
+        if self.save_every is not None and self.save_every <= 0:
+            raise LeantuneError(f"--save-every must be a positive number of steps, got "
+                                f"{self.save_every}; leave it out to checkpoint only at the end")
+        for name in ("weight_decay", "max_grad_norm"):
+            if getattr(self, name) < 0:
+                raise LeantuneError(f"{_flag(name)} must be 0 or more, got {getattr(self, name)}"
+                                    + ("; 0 turns clipping off" if name == "max_grad_norm" else ""))
+        if self.max_memory_gib is not None and self.max_memory_gib <= 0:
+            raise LeantuneError(f"--max-memory-gib must be positive, got {self.max_memory_gib}")
         if self.max_steps is not None and self.max_steps <= 0:
             raise LeantuneError(f"--max-steps must be a positive integer, got {self.max_steps}")
         if self.epochs <= 0:
@@ -88,6 +106,18 @@ class TrainConfig:
             raise LeantuneError(f"--lr must be positive, got {self.lr}")
         if not 0.0 <= self.eval_fraction < 1.0:
             raise LeantuneError(f"--eval-fraction must be in [0, 1), got {self.eval_fraction}")
+        if self.eval_data and self.eval_fraction > 0:
+            raise LeantuneError("--eval-data and --eval-fraction both give an evaluation set; "
+                                "keep one of them")
+        if self.full:
+            changed = [k for k in self.LORA_KEYS if getattr(self, k) != _DEFAULTS[k]]
+            if changed:
+                raise LeantuneError(f"{_flag(changed[0])} is a LoRA setting, and --full trains "
+                                    f"every weight without an adapter; drop {_flag(changed[0])} "
+                                    "or --full")
+        if self.resume and self.overwrite:
+            raise LeantuneError("--resume continues the run in --output and --overwrite replaces "
+                                "it; give one of them")
         if self.schedule not in ("cosine", "linear", "constant"):
             raise LeantuneError(f"--schedule must be cosine, linear or constant, got {self.schedule!r}")
         if self.activations not in ("auto", "keep", "recompute", "offload"):
@@ -97,6 +127,13 @@ class TrainConfig:
             raise LeantuneError(f"--dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
         self.engine_options()
         return self
+
+
+_DEFAULTS = {f.name: f.default for f in fields(TrainConfig)}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 def load_yaml_config(path: str) -> dict:
@@ -113,7 +150,8 @@ def load_yaml_config(path: str) -> dict:
         where = f"{p}:{line + 1}" if line is not None else str(p)
         raise LeantuneError(f"{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
     if raw is None:
-        return {}
+        raise LeantuneError(f"{p}: the config file is empty; write the options as `key: value` "
+                            "lines, e.g. `model: org/name` and `data: train.jsonl`")
     if not isinstance(raw, dict):
         raise LeantuneError(f"{p}: the config must be a mapping of option: value")
     out = {}

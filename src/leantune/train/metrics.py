@@ -23,34 +23,34 @@ class MetricsWriter:
 
 
 class Progress:
-    """A tqdm bar over optimizer steps (ETA from tqdm); plain lines when not a terminal."""
+    """Where a run reports its steps: a tqdm bar (ETA from tqdm) when stdout is a terminal and
+    `bar` is on, else one plain line per logged step. Everything goes to stdout, like the rest of
+    a run's log and summary, so `leantune train ... > log` keeps the whole run (errors go to
+    stderr: add `2>&1` for them)."""
 
-    def __init__(self, total: int, initial: int = 0, enabled: bool = True):
+    def __init__(self, total: int, initial: int = 0, bar: bool = True):
         self.bar = None
-        self.enabled = enabled
-        if enabled:
+        if bar and sys.stdout.isatty():
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
-                            disable=not sys.stderr.isatty())
+                            file=sys.stdout)
         self.total = total
 
     def update(self, step: int, loss: float, tok_s: float, eta_s: float | None = None) -> None:
-        if not self.enabled:
-            return
-        if self.bar is not None and not self.bar.disable:
+        if self.bar is not None:
             self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:,.0f}", refresh=False)
-            self.bar.update(1)
+            self.bar.update(step - self.bar.n)
         else:
             eta = f", ETA {eta_s:.0f}s" if eta_s is not None else ""
             print(f"step {step}/{self.total}  loss {loss:.4f}  {tok_s:,.0f} tok/s{eta}",
-                  file=sys.stderr, flush=True)
+                  flush=True)
 
     def write(self, msg: str) -> None:
-        if self.bar is not None and not self.bar.disable:
-            self.bar.write(msg)
+        if self.bar is not None:
+            self.bar.write(msg, file=sys.stdout)
         else:
-            print(msg, file=sys.stderr, flush=True)
+            print(msg, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -10,13 +10,19 @@
 Dividing by the target tokens of the whole accumulation window makes 4 micro-batches with
 accumulation 4 give exactly the gradient of one batch of 4 (tested), unlike averaging per-micro-
 batch means.
+
+Set-up checks everything it can before it touches the output folder or reads the weights: flags,
+the output path, the tokenizer, the data (read, encoded, checked against the vocabulary), the
+model's config and safetensors headers; then the weights load. The last step is always
+checkpointed, so a finished run can be resumed (nothing to do) or extended (a larger
+--max-steps / --epochs). Ctrl-C and SIGTERM checkpoint and stop; a NaN / inf loss stops the run
+without writing its result.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,10 +31,12 @@ import torch
 
 from ..errors import LeantuneError
 from ..lora import LoRAConfig, apply_lora, save_adapter
-from ..model.loader import DTYPES, default_dtype, load_model
+from ..model.config import ModelConfig
+from ..model.loader import DTYPES, default_dtype, load_model, resolve_checkpoint
+from ..utils import signals
 from ..utils.io import atomic_write_json, atomic_write_text
+from ..utils.paths import check_output_folder
 from .checkpoint import (
-    CKPT_DIR,
     _rng_state,
     _set_rng_state,
     latest_checkpoint,
@@ -36,12 +44,11 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .config import TrainConfig
+from .health import NonFiniteWatch
 from .metrics import MetricsWriter, Progress
+from .output import FULL_INDEX, RUN_CONFIG, RunFolder
+from .preflight import check_weights, locate_model
 from .schedule import lr_factor
-
-RUN_CONFIG = "run_config.json"  # the run's settings (run_settings), written when training starts
-RUN_MARKERS = ("adapter_config.json", "adapter_model.safetensors", "metrics.jsonl", CKPT_DIR, RUN_CONFIG,
-               "model.safetensors.index.json")
 
 
 @dataclass
@@ -52,32 +59,21 @@ class TrainResult:
     final_eval_loss: float | None
     output: Path
     tokens_per_s: float
-
-
-def prepare_output(output: Path, resume: bool, overwrite: bool) -> None:
-    """Refuse to clobber a previous run unless --overwrite (wipe it) or --resume (continue)."""
-    previous = [m for m in RUN_MARKERS if (output / m).exists()]
-    if previous and not (resume or overwrite):
-        raise LeantuneError(f"{output}: output folder holds a previous run ({previous[0]}); pass "
-                            "--resume to continue it, --overwrite to replace it, or choose "
-                            "another --output")
-    if previous and overwrite and not resume:
-        for m in previous:
-            p = output / m
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
-    output.mkdir(parents=True, exist_ok=True)
+    steps_run: int = 0  # steps this call ran (0: the run had already finished)
+    skipped_steps: int = 0  # fp16: updates the loss scaler skipped (gradient overflow)
 
 
 class Trainer:
-    """Holds the model, data, optimizer and state of one run; `train()` runs it."""
+    """Holds the model, data, optimizer and state of one run; `train()` runs it.
+
+    `model`, `tokenizer`, `train_data` and `eval_data` may be given ready-made (tests,
+    benchmarks); what is not given is built from `cfg`."""
 
     def __init__(self, cfg: TrainConfig, model=None, tokenizer=None, train_data=None,
                  eval_data=None, log=print):
         self.cfg = cfg.validate()
         self.log = log
         self.output = Path(cfg.output)
-        # Cheap checks first, so a typo fails before a large model is loaded and before
-        # --overwrite removes a previous run.
         self.device = resolve_device(cfg.device)
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # Triton launches (and bf16 checks) use it
@@ -92,19 +88,36 @@ class Trainer:
         for flag, path in (("--data", cfg.data), ("--eval-data", cfg.eval_data)):
             if path and train_data is None and not Path(path).exists():
                 raise LeantuneError(f"{path}: data file not found; check the {flag} path")
-        prepare_output(self.output, cfg.resume, cfg.overwrite)
-        torch.manual_seed(cfg.seed)
+        model_dir = None
+        if model is None or (tokenizer is None and train_data is None):
+            if not cfg.model:
+                raise LeantuneError("no model given: set --model (a checkpoint folder or a hub "
+                                    "id)")
+            model_dir = locate_model(cfg.model)  # config and tokenizer; weights later
+        check_output_folder(self.output, {"model": model_dir})
+        self.run_folder = RunFolder(self.output, log)
+        self.run_folder.settle_leftover()
+        self.run_folder.check(cfg.resume, cfg.overwrite)
 
-        self.model = model if model is not None else load_model(cfg.model, dtype=self.dtype,
-                                                                 device=self.device)
         self.tokenizer = (tokenizer if tokenizer is not None or train_data is not None
-                          else load_tokenizer(cfg.model))
+                          else load_tokenizer(model_dir))
+        vocab = (model.config if model is not None
+                 else ModelConfig.from_file(model_dir / "config.json")).vocab_size
+        self._setup_data(train_data, eval_data, vocab)
+        if model is None:
+            weights = resolve_checkpoint(cfg.model)  # a hub model's weights download here
+            check_weights(weights)
+            self.log(f"model: loading {cfg.model}")
+            model = load_model(weights, dtype=self.dtype, device=self.device)
+        torch.manual_seed(cfg.seed)
+        self.model = model
         self._setup_trainable()
-        self._setup_data(train_data, eval_data)
         self._setup_optimizer()
+        self.watch = NonFiniteWatch(self.device, loss_scaling=self.scaler is not None)
         self.step = 0
         self.tokens_seen = 0
         self.first_eval_loss = None
+        self.saved_step = None  # the step of the last checkpoint this run wrote or resumed
         if cfg.resume:
             self._resume()
 
@@ -195,7 +208,7 @@ class Trainer:
                  f"  [{'full' if cfg.full else 'LoRA r=%d' % cfg.lora_r}, {self.dtype}, "
                  f"{self.device}, activations: {policy}]")
 
-    def _setup_data(self, train_data, eval_data) -> None:
+    def _setup_data(self, train_data, eval_data, vocab: int) -> None:
         from ..data import PackedLoader, SFTDataset
 
         cfg = self.cfg
@@ -205,15 +218,16 @@ class Trainer:
         if eval_data is None and cfg.eval_data:
             eval_data = SFTDataset(cfg.eval_data, self.tokenizer, cfg.max_seq_len,
                                    format=cfg.format, train_on_inputs=cfg.train_on_inputs)
-        elif eval_data is None and cfg.eval_fraction > 0:
+        for what, data in (("training data", train_data), ("eval data", eval_data)):
+            if data is not None:
+                _check_token_ids(data, vocab, what)
+                if getattr(data, "num_dropped", 0):
+                    self.log(f"note: {what}: {data.dropped_summary()}")
+        if eval_data is None and cfg.eval_fraction > 0:
             train_data, eval_data = train_data.split_eval(cfg.eval_fraction, cfg.seed)
         if getattr(train_data, "num_truncated", 0):
             self.log(f"note: {train_data.num_truncated} documents longer than --max-seq-len "
                      f"{cfg.max_seq_len} were truncated")
-        vocab = self.model.config.vocab_size
-        for what, data in (("training data", train_data), ("eval data", eval_data)):
-            if data is not None:
-                _check_token_ids(data, vocab, what)
         self.train_data, self.eval_data = train_data, eval_data
         self.loader = PackedLoader(train_data, cfg.batch_size, cfg.max_seq_len, seed=cfg.seed,
                                    shuffle=True)
@@ -236,25 +250,35 @@ class Trainer:
                        else None)
 
     def _resume(self) -> None:
-        ckpt = latest_checkpoint(self.output)
-        if ckpt is None:
-            raise LeantuneError(f"{self.output}: --resume given but no checkpoint found in "
-                                f"{self.output / CKPT_DIR}; start without --resume")
+        ckpt = latest_checkpoint(self.output)  # there is one: RunFolder.check
         state = load_checkpoint(ckpt, self.model, self.optimizer)
         self._check_resumed_config(ckpt, state.get("config") or {})
-        self.step = int(state["step"])
+        self.step = self.saved_step = int(state["step"])
+        if self.step > self.total_steps:
+            raise LeantuneError(f"{ckpt}: the run is at step {self.step}, past the "
+                                f"{self.total_steps} steps this command asks for; give "
+                                f"--max-steps {self.step} or more (or the --epochs it ran with)")
         self.tokens_seen = int(state.get("tokens_seen", 0))
         self.first_eval_loss = state.get("first_eval_loss")
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])  # fp16 loss scale: resume exactly
         self.loader.load_state_dict(state["data"])
         self.log(f"resumed from {ckpt} at step {self.step}")
+        before = state.get("total_steps", self.total_steps)
+        if before != self.total_steps and self.step < self.total_steps:
+            cfg = self.cfg
+            old, new = (cfg.lr * lr_factor(self.step, cfg.warmup_steps, n, cfg.schedule)
+                        for n in (before, self.total_steps))
+            self.log(f"the run now has {self.total_steps} optimizer steps (it was started with "
+                     f"{before}): the {cfg.schedule} schedule runs over {self.total_steps} steps, "
+                     f"so step {self.step + 1} gets learning rate {new:.3g} (was {old:.3g})")
 
     # Settings that change what the remaining steps compute: resuming with other values would
     # not continue the interrupted run. (Data, batch size, max_seq_len, seed and the LoRA shapes
-    # are checked by the loader and the checkpoint loader.)
+    # are checked by the loader and the checkpoint loader; the length, --max-steps / --epochs,
+    # may change: that extends or shortens the run.)
     RESUME_MUST_MATCH = ("grad_accum", "lr", "weight_decay", "warmup_steps", "schedule",
-                         "max_grad_norm", "epochs", "max_steps", "dtype", "train_on_inputs")
+                         "max_grad_norm", "dtype", "train_on_inputs")
 
     def _check_resumed_config(self, ckpt: Path, saved: dict) -> None:
         for key in self.RESUME_MUST_MATCH:
@@ -317,25 +341,39 @@ class Trainer:
                 "activations": self.activation_policy}
 
     def train(self) -> TrainResult:
+        """Run to `total_steps`. With --overwrite the previous run is set aside first, deleted
+        at this run's first checkpoint, and put back if the run stops before it."""
+        if self.step >= self.total_steps:
+            return self._already_finished()
+        with signals.as_interrupts():
+            self.run_folder.begin(overwrite=self.cfg.overwrite)
+            try:
+                return self._train()
+            except BaseException:
+                self.run_folder.restore()
+                raise
+
+    def _train(self) -> TrainResult:
         cfg = self.cfg
         atomic_write_json(self.output / RUN_CONFIG, self.run_settings())
         if cfg.resume:  # drop records a crash left after the checkpoint: they are redone
             drop_metrics_after(self.output / "metrics.jsonl", self.step)
         metrics = MetricsWriter(self.output / "metrics.jsonl", append=cfg.resume)
-        progress = Progress(self.total_steps, initial=self.step, enabled=cfg.progress)
-        if self.first_eval_loss is None:
-            self.first_eval_loss = self.evaluate()
-            if self.first_eval_loss is not None:
-                metrics.write({"step": self.step, "eval_loss": self.first_eval_loss})
-                progress.write(f"eval loss before training: {self.first_eval_loss:.4f}")
-        batches = (batch for _, _, batch in self.loader.iter_batches())
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+        progress = Progress(self.total_steps, initial=self.step, bar=cfg.progress)
         last_loss, eval_loss = None, self.first_eval_loss
         t_start = time.perf_counter()
         tokens_run, start_step = 0, self.step
+        self.watch.good_until = self.step
         step_start = None
         try:
+            if self.first_eval_loss is None:
+                self.first_eval_loss = self.evaluate()
+                if self.first_eval_loss is not None:
+                    metrics.write({"step": self.step, "eval_loss": self.first_eval_loss})
+                    progress.write(f"eval loss before training: {self.first_eval_loss:.4f}")
+            batches = (batch for _, _, batch in self.loader.iter_batches())
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
             while self.step < self.total_steps:
                 t0 = time.perf_counter()
                 # where this step starts: an interrupt before it ends checkpoints from here
@@ -343,21 +381,28 @@ class Trainer:
                 lr = self._set_lr(self.step)
                 window = [next(batches) for _ in range(cfg.grad_accum)]
                 loss, gnorm, ntok = self.train_step(window)
+                self.watch.observe(loss, gnorm)
                 self.step += 1
                 self.tokens_seen += ntok
                 tokens_run += ntok
                 record = None
                 if self.step % cfg.log_every == 0 or self.step == self.total_steps:
-                    last_loss = loss.item()  # the one sync per logged step
+                    # the one sync per logged step
+                    (last_loss, grad_norm), bad, skipped = self.watch.read(self.step, loss, gnorm)
                     dt = time.perf_counter() - t0
                     elapsed = time.perf_counter() - t_start
                     tok_s = tokens_run / max(elapsed, 1e-9)
                     steps_run = self.step - start_step
                     eta = (self.total_steps - self.step) * elapsed / max(steps_run, 1)
                     record = {"step": self.step, "loss": last_loss, "lr": lr,
-                              "grad_norm": float(gnorm), "tokens_per_s": tok_s,
+                              "grad_norm": grad_norm, "tokens_per_s": tok_s,
                               "step_time_s": dt, "tokens_seen": self.tokens_seen,
                               "peak_mem_gib": peak_memory_gib(self.device)}
+                    if self.scaler is not None:
+                        record["skipped_steps"] = skipped
+                    if bad:
+                        metrics.write(record)
+                        raise self._diverged(last_loss, grad_norm)
                     progress.update(self.step, last_loss, tok_s, eta_s=eta)
                 if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < self.total_steps:
                     eval_loss = self.evaluate()
@@ -366,39 +411,118 @@ class Trainer:
                         progress.write(f"step {self.step}: eval loss {eval_loss:.4f}")
                 if record:
                     metrics.write(record)
-                if cfg.save_every and self.step % cfg.save_every == 0 and self.step < self.total_steps:
+                if (cfg.save_every and self.step % cfg.save_every == 0) \
+                        or self.step == self.total_steps:
                     self.save_checkpoint()
             eval_loss = self.evaluate() if self.eval_loader is not None else None
             if eval_loss is not None:
                 metrics.write({"step": self.step, "eval_loss": eval_loss})
                 progress.write(f"step {self.step}: eval loss {eval_loss:.4f}")
-        except KeyboardInterrupt:
+            skipped = self.watch.read(self.step)[2]
+            if skipped:
+                progress.write(f"note: the fp16 loss scaler skipped {skipped} of "
+                               f"{self.step - start_step} updates (gradient overflow: it skips "
+                               "the update and lowers the scale, by design)")
+        except KeyboardInterrupt as interrupt:
+            try:
+                progress.close()
+                err = self._stopped(interrupt, start_step, step_start)
+            except KeyboardInterrupt:  # again, while checkpointing: stop now
+                err = self._stopped_again(interrupt)
+            raise err from None
+        finally:
             progress.close()
+            metrics.close()
+        self.save_final()
+        elapsed = time.perf_counter() - t_start
+        return TrainResult(self.step, last_loss, self.first_eval_loss, eval_loss, self.output,
+                           tokens_run / max(elapsed, 1e-9), steps_run=self.step - start_step,
+                           skipped_steps=skipped)
+
+    def _stopped(self, interrupt: KeyboardInterrupt, start_step: int, step_start) -> LeantuneError:
+        """The one line for a Ctrl-C / SIGTERM: checkpoint what was trained, say how to go on."""
+        what = signals.describe(interrupt)
+        if self.step == start_step:  # no step finished: nothing worth a checkpoint
+            if self.run_folder.pending:
+                note = f"the previous run in {self.output} is put back as it was"
+            elif self.saved_step is not None:
+                note = (f"its checkpoint at step {self.saved_step} is unchanged; continue with "
+                        "the same command plus --resume")
+            else:
+                note = "nothing was saved; run the command again to start over"
+            err = LeantuneError(f"{what} before the first step finished; {note}")
+        else:
             if step_start is not None and step_start[0] == self.step:
                 # interrupted mid-step: its batches were drawn and its dropout RNG used, but no
                 # update was counted; rewind both so --resume redoes the step exactly
                 self.loader.load_state_dict(step_start[1])
                 _set_rng_state(step_start[2])
             path = self.save_checkpoint()
-            metrics.close()
-            err = LeantuneError(f"interrupted at step {self.step}; checkpoint saved to {path}; "
+            err = LeantuneError(f"{what} at step {self.step}; checkpoint saved to {path}; "
                                 "continue with the same command plus --resume")
-            err.exit_code = 130  # the shell's code for Ctrl-C
-            raise err from None
-        progress.close()
-        metrics.close()
-        self.save_final()
-        elapsed = time.perf_counter() - t_start
-        return TrainResult(self.step, last_loss, self.first_eval_loss, eval_loss, self.output,
-                           tokens_run / max(elapsed, 1e-9))
+        err.exit_code = signals.exit_code(interrupt)
+        return err
+
+    def _stopped_again(self, interrupt: KeyboardInterrupt) -> LeantuneError:
+        """The one line for a second Ctrl-C / SIGTERM while the first one's checkpoint was
+        being written: that checkpoint is not there (a half-written one is never used)."""
+        last = latest_checkpoint(self.output)
+        note = (f"the previous run in {self.output} is put back as it was"
+                if self.run_folder.pending else
+                "there is no earlier one; run the command again to start over" if last is None
+                else f"--resume continues from {last}")
+        err = LeantuneError(f"{signals.describe(interrupt)} again while saving the checkpoint of "
+                            f"step {self.step}, so it was not saved; {note}")
+        err.exit_code = signals.exit_code(interrupt)
+        return err
+
+    def _diverged(self, loss: float | None = None, grad_norm: float | None = None
+                  ) -> LeantuneError:
+        """The one line for a NaN / inf: what to try; nothing of the diverged weights is kept.
+        `loss` and `grad_norm`: this step's, when it is the step that was read."""
+        if loss is not None and not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            what = f"the loss is {loss} and the gradient norm {grad_norm}"
+        else:
+            what = "the loss or the gradient norm became NaN or infinite"
+        first = self.watch.good_until + 1
+        steps = f"step {self.step}" if first >= self.step else f"steps {first}-{self.step}"
+        ckpt = None if self.run_folder.pending else latest_checkpoint(self.output)
+        kept = (f"the last good checkpoint {ckpt} is kept" if ckpt is not None
+                else "no checkpoint was written")
+        clip = (f"a lower --max-grad-norm (now {self.cfg.max_grad_norm})"
+                if self.cfg.max_grad_norm > 0 else "gradient clipping, --max-grad-norm 1.0")
+        result = "model" if self.cfg.full else "adapter"
+        return LeantuneError(f"{steps}: {what}: training diverged and stopped, and no final "
+                             f"{result} was written ({kept}); try a lower --lr (now "
+                             f"{self.cfg.lr:g}) or {clip}, in a new run (--overwrite)")
+
+    def _already_finished(self) -> TrainResult:
+        """`--resume` of a run that reached its last step: nothing to train. The final adapter
+        (or model) is written from the checkpoint if it is missing or older."""
+        self.log(f"{self.output}: the run already finished at step {self.step}; nothing to do "
+                 "(to train on, --resume with a larger --max-steps or --epochs)")
+        final = self.output / (FULL_INDEX if self.cfg.full else "adapter_model.safetensors")
+        ckpt = latest_checkpoint(self.output)
+        if not final.exists() or final.stat().st_mtime < ckpt.stat().st_mtime:
+            self.save_final()
+            self.log(f"wrote the final {'model' if self.cfg.full else 'adapter'} from {ckpt}")
+        return TrainResult(self.step, None, self.first_eval_loss, None, self.output, 0.0)
 
     def save_checkpoint(self) -> Path:
+        """Checkpoint this step (once), and settle --overwrite: the previous run is deleted."""
+        if self.watch.read(self.step)[1]:
+            raise self._diverged()
+        if self.saved_step == self.step:
+            return latest_checkpoint(self.output)
         state = {"data": self.loader.state_dict(), "tokens_seen": self.tokens_seen,
-                 "first_eval_loss": self.first_eval_loss,
+                 "first_eval_loss": self.first_eval_loss, "total_steps": self.total_steps,
                  "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                  **self.run_settings()}
-        return save_checkpoint(self.output, self.step, self.model, self.optimizer, state,
+        path = save_checkpoint(self.output, self.step, self.model, self.optimizer, state,
                                keep=self.cfg.keep_checkpoints)
+        self.saved_step = self.step
+        self.run_folder.commit()
+        return path
 
     def save_final(self) -> None:
         """LoRA: PEFT adapter files. Full: a HF checkpoint of the trained weights."""
@@ -488,7 +612,8 @@ def load_tokenizer(model: str | None):
 
     folder = resolve_checkpoint(model)
     try:
-        tok = AutoTokenizer.from_pretrained(str(folder))
+        # never the checkpoint's own Python code (auto_map): a downloaded folder runs nothing
+        tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
     except Exception as e:
         raise LeantuneError(f"{folder}: cannot load the tokenizer ({type(e).__name__}); the "
                             "checkpoint folder needs tokenizer.json / tokenizer_config.json") from None

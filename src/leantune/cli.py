@@ -1,4 +1,4 @@
-"""The `leantune` command line: train, export, doctor.
+"""The `leantune` command line: train, export, inspect-data, doctor.
 
 Every user error ends as one line on stderr and exit code 2, never a traceback.
 """
@@ -16,13 +16,24 @@ DEMO = dict(max_seq_len=256, batch_size=8, grad_accum=1, lr=2e-3, max_steps=120,
             lora_r=16, lora_alpha=32, eval_every=40, output="leantune-demo")
 
 
+DATA_HELP = ("a .jsonl, .json, .csv or .parquet file, a dataset folder, or a Hugging Face hub "
+             "dataset (org/name)")
+
+
+def _data_source_flags(a) -> None:
+    """The flags that pick the rows of a hub dataset or dataset folder (train, inspect-data)."""
+    a("--data-split", help="split of a hub dataset or dataset folder (default train)")
+    a("--data-subset", help="subset (config name) of a hub dataset")
+
+
 def _train_parser(sub) -> None:
     p = sub.add_parser("train", help="fine-tune a model on a dataset (LoRA by default)",
                        description="Fine-tune --model on --data. With neither, runs a short demo "
                                    "on a tiny model and dataset bundled with leantune.")
     a = p.add_argument
     a("--model", help="checkpoint folder (config.json + *.safetensors) or hub id")
-    a("--data", help="training data: .jsonl, .json or .parquet")
+    a("--data", help=f"training data: {DATA_HELP}")
+    _data_source_flags(a)
     a("--output", help="output folder (adapter, metrics.jsonl, checkpoints)")
     a("--config", help="YAML file with the same keys as these flags (flags win)")
     a("--format", choices=["alpaca", "messages", "text"], help="data format (default: detect)")
@@ -45,7 +56,9 @@ def _train_parser(sub) -> None:
     a("--full", action="store_true", default=None, help="full fine-tuning instead of LoRA")
     a("--train-on-inputs", action="store_true", default=None,
       help="also train on prompts (default: responses only)")
-    a("--eval-data", help="evaluation data file")
+    a("--eval-data", help="evaluation data, as --data")
+    a("--eval-split", help="split of --eval-data when it is a hub dataset or dataset folder "
+                           "(default test; the subset is --data-subset)")
     a("--eval-fraction", type=float, help="hold out this fraction of --data for evaluation")
     a("--eval-every", type=int, help="evaluate every N steps (default 50)")
     a("--save-every", type=int, help="checkpoint every N steps (default: only at the end)")
@@ -130,6 +143,18 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_inspect_data(args) -> int:
+    from .data import SFTDataset
+    from .data.inspect import inspect_dataset, load_tokenizer_only, use_color
+
+    tokenizer = load_tokenizer_only(args.model)
+    dataset = SFTDataset(args.data, tokenizer, args.max_seq_len, format=args.format,
+                         train_on_inputs=args.train_on_inputs, split=args.data_split or "train",
+                         subset=args.data_subset)
+    print(inspect_dataset(dataset, args.rows, color=use_color(sys.stdout), tokens=args.tokens))
+    return 0
+
+
 def cmd_doctor(args) -> int:
     from .doctor import run_doctor
 
@@ -138,7 +163,7 @@ def cmd_doctor(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="leantune", description="Fast, memory-lean LLM fine-tuning.")
-    sub = p.add_subparsers(dest="command", metavar="{train,export,doctor}")
+    sub = p.add_subparsers(dest="command", metavar="{train,export,inspect-data,doctor}")
     _train_parser(sub)
     e = sub.add_parser("export", help="merge a LoRA adapter into its base: HF safetensors")
     e.add_argument("--model", required=True, help="base checkpoint folder or hub id")
@@ -147,6 +172,20 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                    help="output dtype (default: the base's)")
     e.add_argument("--overwrite", action="store_true")
+    i = sub.add_parser("inspect-data", help="show rows as the model sees them, and how they pack",
+                       description="Tokenize --data with --model's tokenizer (no weights are "
+                                   "loaded) and show a few documents with their trained tokens "
+                                   "marked, then lengths, packing, truncated and dropped rows.")
+    i.add_argument("--data", required=True, help=DATA_HELP)
+    i.add_argument("--model", required=True, help="checkpoint folder or hub id (its tokenizer)")
+    _data_source_flags(i.add_argument)
+    i.add_argument("--format", choices=["alpaca", "messages", "text"],
+                   help="data format (default: detect)")
+    i.add_argument("--max-seq-len", type=int, default=2048, help="packed row length (default 2048)")
+    i.add_argument("--rows", type=int, default=3, help="documents to show (default 3)")
+    i.add_argument("--train-on-inputs", action="store_true", help="also train on prompts")
+    i.add_argument("--tokens", action="store_true",
+                   help="show each token on its own, quoted, instead of the text")
     sub.add_parser("doctor", help="check the environment and what leantune will use")
     return p
 
@@ -156,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         build_parser().print_help()
         return 0
-    handler = {"train": cmd_train, "export": cmd_export, "doctor": cmd_doctor}[args.command]
+    handler = {"train": cmd_train, "export": cmd_export,
+               "inspect-data": cmd_inspect_data, "doctor": cmd_doctor}[args.command]
     try:
         return handler(args)
     except LeantuneError as e:

@@ -12,6 +12,8 @@ from ..errors import LeantuneError
 class TrainConfig:
     model: str | None = None
     data: str | None = None
+    data_split: str = "train"  # split of a hub dataset or dataset folder
+    data_subset: str | None = None  # its config name (for --eval-data too)
     output: str = "leantune-output"
     format: str | None = None  # alpaca | messages | text; None = detect
     max_seq_len: int = 2048
@@ -32,6 +34,7 @@ class TrainConfig:
     full: bool = False
     train_on_inputs: bool = False
     eval_data: str | None = None
+    eval_split: str = "test"  # split of --eval-data when it is a hub dataset or dataset folder
     eval_fraction: float = 0.0
     eval_every: int = 50
     save_every: int = 0  # 0 = only at the end

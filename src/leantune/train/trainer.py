@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from ..data.sources import check_source
 from ..errors import LeantuneError
 from ..lora import LoRAConfig, apply_lora, save_adapter
 from ..model.loader import DTYPES, default_dtype, load_model
@@ -89,8 +90,8 @@ class Trainer:
             LoRAConfig(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
                        targets=cfg.lora_targets)
         for flag, path in (("--data", cfg.data), ("--eval-data", cfg.eval_data)):
-            if path and train_data is None and not Path(path).exists():
-                raise LeantuneError(f"{path}: data file not found; check the {flag} path")
+            if path and train_data is None:
+                check_source(path, flag)
         prepare_output(self.output, cfg.resume, cfg.overwrite)
         torch.manual_seed(cfg.seed)
 
@@ -183,10 +184,13 @@ class Trainer:
         cfg = self.cfg
         if train_data is None:
             train_data = SFTDataset(cfg.data, self.tokenizer, cfg.max_seq_len, format=cfg.format,
-                                    train_on_inputs=cfg.train_on_inputs)
+                                    train_on_inputs=cfg.train_on_inputs, split=cfg.data_split,
+                                    subset=cfg.data_subset)
         if eval_data is None and cfg.eval_data:
             eval_data = SFTDataset(cfg.eval_data, self.tokenizer, cfg.max_seq_len,
-                                   format=cfg.format, train_on_inputs=cfg.train_on_inputs)
+                                   format=cfg.format, train_on_inputs=cfg.train_on_inputs,
+                                   split=cfg.eval_split, subset=cfg.data_subset,
+                                   split_flag="--eval-split")
         elif eval_data is None and cfg.eval_fraction > 0:
             train_data, eval_data = train_data.split_eval(cfg.eval_fraction, cfg.seed)
         if getattr(train_data, "num_truncated", 0):

@@ -1,4 +1,4 @@
-"""The `leantune` command line: train, export, inspect-data, doctor.
+"""The `leantune` command line: train, export, plot, inspect-data, doctor.
 
 Every user error ends as one line on stderr and exit code 2, never a traceback.
 """
@@ -54,6 +54,8 @@ def _train_parser(sub) -> None:
     a("--lora-targets", help="comma list of q,k,v,o,gate,up,down (default: all)")
     a("--use-rslora", action="store_true", default=None, help="scale by alpha/sqrt(r)")
     a("--full", action="store_true", default=None, help="full fine-tuning instead of LoRA")
+    a("--merge-at-end", action="store_true", default=None,
+      help="LoRA: also write the base model with the adapter merged in to OUTPUT/merged")
     a("--train-on-inputs", action="store_true", default=None,
       help="also train on prompts (default: responses only)")
     a("--eval-data", help="evaluation data, as --data")
@@ -80,6 +82,8 @@ def _train_parser(sub) -> None:
     a("--max-memory-gib", type=float, help="GPU memory the run may use (default: the GPU's)")
     a("--compile", action="store_true", default=None, help="torch.compile each decoder layer")
     a("--log-every", type=int, help="log every N steps (default 1)")
+    a("--report-to", help="also send metrics to tensorboard (OUTPUT/tensorboard), wandb, or both "
+                          "(comma list); default none")
     a("--no-progress", dest="progress", action="store_false", default=None,
       help="no progress bar (plain log lines)")
 
@@ -143,6 +147,13 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_plot(args) -> int:
+    from .train.plot import plot_metrics
+
+    print(f"loss plot written to {plot_metrics(args.run, args.output)}")
+    return 0
+
+
 def cmd_inspect_data(args) -> int:
     from .data import SFTDataset
     from .data.inspect import inspect_dataset, load_tokenizer_only, use_color
@@ -163,7 +174,7 @@ def cmd_doctor(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="leantune", description="Fast, memory-lean LLM fine-tuning.")
-    sub = p.add_subparsers(dest="command", metavar="{train,export,inspect-data,doctor}")
+    sub = p.add_subparsers(dest="command", metavar="{train,export,plot,inspect-data,doctor}")
     _train_parser(sub)
     e = sub.add_parser("export", help="merge a LoRA adapter into its base: HF safetensors")
     e.add_argument("--model", required=True, help="base checkpoint folder or hub id")
@@ -172,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                    help="output dtype (default: the base's)")
     e.add_argument("--overwrite", action="store_true")
+    pl = sub.add_parser("plot", help="draw a run's train and eval loss and lr into loss.png")
+    pl.add_argument("run", help="output folder of a `leantune train` run (or its metrics.jsonl)")
+    pl.add_argument("--output", help="PNG file to write (default RUN/loss.png)")
     i = sub.add_parser("inspect-data", help="show rows as the model sees them, and how they pack",
                        description="Tokenize --data with --model's tokenizer (no weights are "
                                    "loaded) and show a few documents with their trained tokens "
@@ -195,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         build_parser().print_help()
         return 0
-    handler = {"train": cmd_train, "export": cmd_export,
+    handler = {"train": cmd_train, "export": cmd_export, "plot": cmd_plot,
                "inspect-data": cmd_inspect_data, "doctor": cmd_doctor}[args.command]
     try:
         return handler(args)

@@ -32,6 +32,7 @@ class TrainConfig:
     lora_targets: str = "q,k,v,o,gate,up,down"
     use_rslora: bool = False
     full: bool = False
+    merge_at_end: bool = False  # LoRA: write OUTPUT/merged (base + adapter) at the end
     train_on_inputs: bool = False
     eval_data: str | None = None
     eval_split: str = "test"  # split of --eval-data when it is a hub dataset or dataset folder
@@ -40,6 +41,7 @@ class TrainConfig:
     save_every: int = 0  # 0 = only at the end
     keep_checkpoints: int = 2
     log_every: int = 1
+    report_to: str = "none"  # none | tensorboard | wandb, or a comma list
     resume: bool = False
     overwrite: bool = False
     seed: int = 42

@@ -37,7 +37,10 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .config import TrainConfig
-from .metrics import MetricsWriter, Progress
+from .merge_at_end import check_merge_at_end, merge_at_end
+from .metrics import Progress
+from .plot import plot_after_training
+from .reporting import check_report_to, open_reporting
 from .schedule import lr_factor
 
 RUN_MARKERS = ("adapter_config.json", "adapter_model.safetensors", "metrics.jsonl", CKPT_DIR,
@@ -92,6 +95,8 @@ class Trainer:
         for flag, path in (("--data", cfg.data), ("--eval-data", cfg.eval_data)):
             if path and train_data is None:
                 check_source(path, flag)
+        check_report_to(cfg.report_to)
+        check_merge_at_end(cfg)
         prepare_output(self.output, cfg.resume, cfg.overwrite)
         torch.manual_seed(cfg.seed)
 
@@ -300,7 +305,7 @@ class Trainer:
         cfg = self.cfg
         if cfg.resume:  # drop records a crash left after the checkpoint: they are redone
             drop_metrics_after(self.output / "metrics.jsonl", self.step)
-        metrics = MetricsWriter(self.output / "metrics.jsonl", append=cfg.resume)
+        metrics = open_reporting(cfg, start_step=self.step)  # metrics.jsonl (+ --report-to)
         progress = Progress(self.total_steps, initial=self.step, enabled=cfg.progress)
         if self.first_eval_loss is None:
             self.first_eval_loss = self.evaluate()
@@ -368,6 +373,9 @@ class Trainer:
         metrics.close()
         self.save_final()
         elapsed = time.perf_counter() - t_start
+        plot_after_training(self.output, self.log)
+        if cfg.merge_at_end:
+            merge_at_end(cfg, self.log)
         return TrainResult(self.step, last_loss, self.first_eval_loss, eval_loss, self.output,
                            tokens_run / max(elapsed, 1e-9))
 

@@ -130,3 +130,24 @@ def test_training_without_matplotlib_says_so_once(tiny_ckpt, alpaca_file, tmp_pa
     assert not (out / "loss.png").exists() and (out / "adapter_model.safetensors").exists()
     notes = [line for line in stdout.splitlines() if "loss.png" in line]
     assert notes == ["note: no loss.png (it needs matplotlib: pip install 'leantune[plot]')"]
+
+
+def test_a_failing_plot_does_not_fail_the_run(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    from leantune.train.plot import plot_after_training
+
+    run = write_run(tmp_path / "run")
+    notes = []
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no fonts\nfound")
+
+    monkeypatch.setattr(Figure, "savefig", broken)
+    assert plot_after_training(run, notes.append) is None
+    assert notes == [f"note: no loss.png (RuntimeError: no fonts found); `leantune plot {run}` "
+                     "draws it later"]
+    assert not list(run.glob("*.png")) and not list(run.glob(".loss.png*"))
+    monkeypatch.undo()
+    assert plot_after_training(run, notes.append) == run / "loss.png"
+    assert notes[-1] == f"loss plot: {run / 'loss.png'}"

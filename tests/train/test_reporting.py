@@ -39,6 +39,7 @@ def expected(records, key) -> list[tuple[int, float]]:
 @pytest.mark.parametrize("value, names", [
     (None, []), ("none", []), ("NONE", []), ("tensorboard", ["tensorboard"]),
     ("wandb, tensorboard", ["wandb", "tensorboard"]), ("tensorboard,tensorboard,", ["tensorboard"]),
+    (["tensorboard", "wandb"], ["tensorboard", "wandb"]), ([], []),  # a YAML list
 ])
 def test_parse_report_to(value, names):
     assert parse_report_to(value) == names
@@ -49,6 +50,8 @@ def test_parse_report_to(value, names):
                "list such as tensorboard,wandb"),
     ("none,wandb", "--report-to none,wandb: 'none' cannot be combined with reporters; give none "
                    "alone, or only reporters"),
+    (["wandb", "none"], "--report-to wandb,none: 'none' cannot be combined with reporters; give "
+                        "none alone, or only reporters"),
 ])
 def test_bad_report_to(value, message):
     with pytest.raises(LeantuneError) as ei:

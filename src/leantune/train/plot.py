@@ -105,7 +105,9 @@ def plot_metrics(run: str | os.PathLike, output: str | os.PathLike | None = None
 
 
 def plot_after_training(output: Path, log) -> Path | None:
-    """Write OUTPUT/loss.png when matplotlib is there; otherwise say once how to get it."""
+    """Write OUTPUT/loss.png when matplotlib is there; otherwise say once how to get it. The plot
+    is a convenience: whatever goes wrong with it is a note, never the failure of a finished
+    run."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -115,6 +117,10 @@ def plot_after_training(output: Path, log) -> Path | None:
         path = plot_metrics(output)
     except LeantuneError as e:
         log(f"note: no {PLOT_NAME} ({e})")
+        return None
+    except Exception as e:  # matplotlib's own failures (fonts, backends, a full disk)
+        log(f"note: no {PLOT_NAME} ({type(e).__name__}: {' '.join(str(e).split())[:200]}); "
+            f"`leantune plot {output}` draws it later")
         return None
     log(f"loss plot: {path}")
     return path

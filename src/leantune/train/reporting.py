@@ -23,15 +23,15 @@ REPORTERS = ("tensorboard", "wandb")
 TENSORBOARD_DIR = "tensorboard"
 
 
-def parse_report_to(value: str | None) -> list[str]:
-    """``none`` (or nothing) -> []; ``tensorboard,wandb`` -> both, in that order."""
-    names = list(dict.fromkeys(n.strip().lower() for n in str(value or "").split(",")
-                               if n.strip()))
+def parse_report_to(value: str | list | None) -> list[str]:
+    """``none`` (or nothing) -> []; ``tensorboard,wandb`` (or a YAML list of both) -> both."""
+    items = value if isinstance(value, (list, tuple)) else str(value or "").split(",")
+    names = list(dict.fromkeys(str(n).strip().lower() for n in items if str(n).strip()))
     if names in ([], ["none"]):
         return []
     for name in names:
         if name == "none":
-            raise LeantuneError(f"--report-to {value}: 'none' cannot be combined with reporters; "
+            raise LeantuneError(f"--report-to {','.join(names)}: 'none' cannot be combined with reporters; "
                                 "give none alone, or only reporters")
         if name not in REPORTERS:
             raise LeantuneError(f"--report-to: unknown reporter {name!r}; use none, tensorboard, "

@@ -326,3 +326,28 @@ def check(model, plans, rtol=1e-5, atol=1e-6, loss_rtol=None, options=None, engi
     torch.testing.assert_close(loss, ref_loss, rtol=loss_rtol, atol=loss_rtol and 0.0)
     torch.testing.assert_close(grads, ref_grads, rtol=rtol, atol=atol)
     return engine
+
+
+# --- the CLI in this process -----------------------------------------------------------------------
+# Flags for a quick CPU `leantune train` of the tiny checkpoint.
+FAST = ["--max-seq-len", "128", "--batch-size", "4", "--lora-r", "4", "--no-progress",
+        "--device", "cpu"]
+
+
+def run_cli(capsys, *args) -> tuple[int, str, str]:
+    """`leantune ARGS` in this process: (exit code, stdout, stderr)."""
+    from leantune.cli import main
+
+    rc = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def cli_error(capsys, *args) -> str:
+    """`leantune ARGS` must fail with exit code 2 and one error line on stderr (besides the
+    progress bars the datasets library shows while it reads files); returns the message."""
+    rc, _, err = run_cli(capsys, *args)
+    lines = [line for line in err.splitlines() if line.strip() and "examples/s]" not in line]
+    assert rc == 2 and "Traceback" not in err, err
+    assert len(lines) == 1 and lines[0].startswith("leantune: error: "), err
+    return lines[0][len("leantune: error: "):]

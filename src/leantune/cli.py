@@ -1,4 +1,4 @@
-"""The `leantune` command line: train, export, doctor.
+"""The `leantune` command line: train, export, plot, inspect-data, doctor.
 
 Every user error ends as one line on stderr and exit code 2, never a traceback. A run's log,
 progress and summary go to stdout. Ctrl-C and SIGTERM end the command with one line and exit
@@ -23,13 +23,24 @@ DEMO = dict(max_seq_len=256, batch_size=8, grad_accum=1, lr=2e-3, max_steps=120,
             lora_r=16, lora_alpha=32, eval_every=40, output="leantune-demo")
 
 
+DATA_HELP = ("a .jsonl, .json, .csv or .parquet file, a dataset folder, or a Hugging Face hub "
+             "dataset (org/name)")
+
+
+def _data_source_flags(a) -> None:
+    """The flags that pick the rows of a hub dataset or dataset folder (train, inspect-data)."""
+    a("--data-split", help="split of a hub dataset or dataset folder (default train)")
+    a("--data-subset", help="subset (config name) of a hub dataset")
+
+
 def _train_parser(sub) -> None:
     p = sub.add_parser("train", help="fine-tune a model on a dataset (LoRA by default)",
                        description="Fine-tune --model on --data. With neither, runs a short demo "
                                    "on a tiny model and dataset bundled with leantune.")
     a = p.add_argument
     a("--model", help="checkpoint folder (config.json + *.safetensors) or hub id")
-    a("--data", help="training data: .jsonl, .json or .parquet")
+    a("--data", help=f"training data: {DATA_HELP}")
+    _data_source_flags(a)
     a("--output", help="output folder (adapter, metrics.jsonl, checkpoints)")
     a("--config", help="YAML file with the same keys as these flags (flags win)")
     a("--format", choices=["alpaca", "messages", "text"], help="data format (default: detect)")
@@ -50,9 +61,13 @@ def _train_parser(sub) -> None:
     a("--lora-targets", help="comma list of q,k,v,o,gate,up,down (default: all)")
     a("--use-rslora", action="store_true", default=None, help="scale by alpha/sqrt(r)")
     a("--full", action="store_true", default=None, help="full fine-tuning instead of LoRA")
+    a("--merge-at-end", action="store_true", default=None,
+      help="LoRA: also write the base model with the adapter merged in to OUTPUT/merged")
     a("--train-on-inputs", action="store_true", default=None,
       help="also train on prompts (default: responses only)")
-    a("--eval-data", help="evaluation data file")
+    a("--eval-data", help="evaluation data, as --data")
+    a("--eval-split", help="split of --eval-data when it is a hub dataset or dataset folder "
+                           "(default test; the subset is --data-subset)")
     a("--eval-fraction", type=float, help="hold out this fraction of --data for evaluation")
     a("--eval-every", type=int, help="evaluate every N steps (default 50)")
     a("--save-every", type=int, help="checkpoint every N steps (default: only at the end; "
@@ -93,6 +108,8 @@ def _train_parser(sub) -> None:
     e.add_argument("--link-gbs", type=float,
                    help="host link rate the memory planner assumes (default 50 GB/s)")
     a("--log-every", type=int, help="log every N steps (default 1)")
+    a("--report-to", help="also send metrics to tensorboard (OUTPUT/tensorboard), wandb, or both "
+                          "(comma list); default none")
     a("--no-progress", dest="progress", action="store_false", default=None,
       help="no progress bar: a plain line per logged step")
 
@@ -162,6 +179,25 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_plot(args) -> int:
+    from .train.plot import plot_metrics
+
+    print(f"loss plot written to {plot_metrics(args.run, args.output)}")
+    return 0
+
+
+def cmd_inspect_data(args) -> int:
+    from .data import SFTDataset
+    from .data.inspect import inspect_dataset, load_tokenizer_only, use_color
+
+    tokenizer = load_tokenizer_only(args.model)
+    dataset = SFTDataset(args.data, tokenizer, args.max_seq_len, format=args.format,
+                         train_on_inputs=args.train_on_inputs, split=args.data_split or "train",
+                         subset=args.data_subset)
+    print(inspect_dataset(dataset, args.rows, color=use_color(sys.stdout), tokens=args.tokens))
+    return 0
+
+
 def cmd_doctor(args) -> int:
     from .doctor import run_doctor
 
@@ -171,7 +207,7 @@ def cmd_doctor(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="leantune", description="Fast, memory-lean LLM fine-tuning.")
     p.add_argument("--version", action="version", version=f"leantune {__version__}")
-    sub = p.add_subparsers(dest="command", metavar="{train,export,doctor}")
+    sub = p.add_subparsers(dest="command", metavar="{train,export,plot,inspect-data,doctor}")
     _train_parser(sub)
     e = sub.add_parser("export", help="merge a LoRA adapter into its base: HF safetensors")
     e.add_argument("--model", required=True, help="base checkpoint folder or hub id")
@@ -184,6 +220,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output dtype (default: the base's)")
     e.add_argument("--overwrite", action="store_true",
                    help="replace a previous export in --output (other files there are kept)")
+    pl = sub.add_parser("plot", help="draw a run's train and eval loss and lr into loss.png")
+    pl.add_argument("run", help="output folder of a `leantune train` run (or its metrics.jsonl)")
+    pl.add_argument("--output", help="PNG file to write (default RUN/loss.png)")
+    i = sub.add_parser("inspect-data", help="show rows as the model sees them, and how they pack",
+                       description="Tokenize --data with --model's tokenizer (no weights are "
+                                   "loaded) and show a few documents with their trained tokens "
+                                   "marked, then lengths, packing, truncated and dropped rows.")
+    i.add_argument("--data", required=True, help=DATA_HELP)
+    i.add_argument("--model", required=True, help="checkpoint folder or hub id (its tokenizer)")
+    _data_source_flags(i.add_argument)
+    i.add_argument("--format", choices=["alpaca", "messages", "text"],
+                   help="data format (default: detect)")
+    i.add_argument("--max-seq-len", type=int, default=2048, help="packed row length (default 2048)")
+    i.add_argument("--rows", type=int, default=3, help="documents to show (default 3)")
+    i.add_argument("--train-on-inputs", action="store_true", help="also train on prompts")
+    i.add_argument("--tokens", action="store_true",
+                   help="show each token on its own, quoted, instead of the text")
     sub.add_parser("doctor", help="check the environment and what leantune will use")
     return p
 
@@ -196,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.command is None:
                 build_parser().print_help()
                 return 0
-            handler = {"train": cmd_train, "export": cmd_export, "doctor": cmd_doctor}
+            handler = {"train": cmd_train, "export": cmd_export, "plot": cmd_plot,
+                       "inspect-data": cmd_inspect_data, "doctor": cmd_doctor}
             return handler[args.command](args)
         except LeantuneError as e:
             if e.exit_code == 2 and signals.received():  # a library turned Ctrl-C into an error

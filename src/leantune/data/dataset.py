@@ -17,9 +17,10 @@ import random
 from collections.abc import Iterator, Sequence
 
 from leantune.batch import IGNORE_INDEX, PackedBatch, shift_labels
-from leantune.data.files import Location, read_rows_located
+from leantune.data.files import Location
 from leantune.data.formats import detect_format, encode_example, validate_format
 from leantune.data.packing import pack_first_fit_decreasing
+from leantune.data.sources import load_rows
 from leantune.errors import LeantuneError
 
 Document = tuple[list[int], list[int]]  # (token ids [L], shifted labels [L])
@@ -45,14 +46,18 @@ class SFTDataset:
     """Tokenized supervised fine-tuning documents.
 
     Args:
-        data: path to a .jsonl / .json / .parquet file, or a list of row dicts.
+        data: a .jsonl / .json / .csv / .parquet file, a dataset folder or a hub dataset id
+            (`leantune.data.sources`), or a list of row dicts.
         tokenizer: Hugging Face tokenizer (needs a chat template for the messages format).
         max_seq_len: longest document in tokens; longer ones are truncated (head kept).
         format: "alpaca", "messages" or "text"; None detects it from the first rows.
         train_on_inputs: train on prompt/user tokens too, not only on responses.
+        split, subset: what to load from a dataset folder or hub dataset; `split_flag` is the
+            flag named when the split does not exist.
 
     Attributes:
         docs: list of (ids, labels), each a list[int] of length L <= max_seq_len.
+        locations: where each kept document's row came from (`leantune.data.files.Location`).
         format: the format used.
         num_rows: rows read. num_docs: documents kept.
         num_truncated: documents cut to max_seq_len.
@@ -64,13 +69,15 @@ class SFTDataset:
     """
 
     def __init__(self, data: str | os.PathLike | Sequence[dict], tokenizer, max_seq_len: int,
-                 *, format: str | None = None, train_on_inputs: bool = False):
+                 *, format: str | None = None, train_on_inputs: bool = False,
+                 split: str = "train", subset: str | None = None,
+                 split_flag: str = "--data-split"):
         self.max_seq_len = _check_max_seq_len(max_seq_len)
         self.tokenizer = tokenizer
         self.train_on_inputs = bool(train_on_inputs)
+        located: list[tuple[Location, dict]]
         if isinstance(data, (str, os.PathLike)):
-            self.source = str(data)
-            located: list[tuple[Location, dict]] = read_rows_located(data)
+            self.source, located = load_rows(data, split, subset, split_flag=split_flag)
         else:
             self.source = "<rows>"
             located = [(f"row {i}", row) for i, row in enumerate(data, start=1)]
@@ -81,6 +88,7 @@ class SFTDataset:
         self.pad_id = _default_pad_id(tokenizer)
 
         self.docs: list[Document] = []
+        self.locations: list[Location] = []
         self._truncated: list[bool] = []
         self.num_rows = len(rows)
         self.dropped = {"empty": 0, "truncated": 0}
@@ -97,6 +105,7 @@ class SFTDataset:
                 self.dropped["truncated" if has_target else "empty"] += 1
                 continue
             self.docs.append((ids, labels))
+            self.locations.append(loc)
             self._truncated.append(cut)
         if not self.docs:
             raise LeantuneError(
@@ -109,8 +118,9 @@ class SFTDataset:
     def _subset(cls, parent: "SFTDataset", indices: Sequence[int]) -> "SFTDataset":
         obj = cls.__new__(cls)
         obj.__dict__.update({k: v for k, v in parent.__dict__.items()
-                             if k not in ("docs", "_truncated")})
+                             if k not in ("docs", "locations", "_truncated")})
         obj.docs = [parent.docs[i] for i in indices]
+        obj.locations = [parent.locations[i] for i in indices]
         obj._truncated = [parent._truncated[i] for i in indices]
         obj.num_rows = len(indices)
         obj.dropped = {"empty": 0, "truncated": 0}
@@ -166,6 +176,11 @@ class SFTDataset:
     @property
     def num_truncated(self) -> int:
         return sum(self._truncated)
+
+    @property
+    def truncated(self) -> list[bool]:
+        """Whether each kept document was cut to max_seq_len."""
+        return self._truncated
 
     @property
     def lengths(self) -> list[int]:
@@ -267,6 +282,11 @@ class PackedLoader:
     def num_rows(self) -> int:
         """Packed rows per epoch (constant across epochs)."""
         return self._num_rows
+
+    @property
+    def packing_efficiency(self) -> float:
+        """Fraction of the rows' token capacity (rows * max_seq_len) holding real tokens."""
+        return sum(self.lengths) / (self.num_rows * self.max_seq_len)
 
     def __len__(self) -> int:
         """Batches per epoch."""

@@ -4,18 +4,23 @@ A data file is a list of JSON-like objects ("rows"). Three containers are accept
 
 * ``.jsonl`` / ``.ndjson``: one JSON object per line; blank lines are skipped.
 * ``.json``: a list of objects, or an object holding that list under ``"data"`` or ``"train"``.
+* ``.csv``: a header row naming the fields, then one row per record; every value is a string.
+  (The messages format needs lists of turns, which a CSV cell cannot hold: use JSON for it.)
 * ``.parquet``: one row per record (needs the optional ``pyarrow`` dependency).
 
 Every problem with the file is raised as a one-line `LeantuneError` that names the file (and, for
-JSON Lines, the line number) so a user can jump straight to the culprit.
+JSON Lines and CSV, the line number) so a user can jump straight to the culprit.
 
 Rows carry a *location* so later stages (format detection, tokenization) can point at the exact
-source of a bad row: an ``int`` line number for JSON Lines, a ``"row N"`` label (1-based) for
-containers that have no meaningful line numbers. `format_location` turns it into text.
+source of a bad row: an ``int`` line number for JSON Lines and CSV (where the record starts), a
+``"row N"`` label (1-based) for containers that have no meaningful line numbers.
+`format_location` turns it into text.
 """
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 from pathlib import Path
@@ -28,8 +33,11 @@ Location = int | str
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 JSON_SUFFIXES = (".json",)
+CSV_SUFFIXES = (".csv",)
 PARQUET_SUFFIXES = (".parquet",)
-SUPPORTED_SUFFIXES = JSONL_SUFFIXES + JSON_SUFFIXES + PARQUET_SUFFIXES
+SUPPORTED_SUFFIXES = JSONL_SUFFIXES + JSON_SUFFIXES + CSV_SUFFIXES + PARQUET_SUFFIXES
+# A CSV cell may hold a whole document: allow far more than the csv module's 128 KiB default.
+CSV_FIELD_LIMIT = 1 << 30
 
 
 def format_location(source: str | os.PathLike | None, line: Location | None) -> str:
@@ -116,6 +124,52 @@ def _read_json(path: Path) -> list[tuple[Location, dict]]:
     return out
 
 
+def _csv_header(path: Path, line: int, header: list[str]) -> list[str]:
+    """Column names of a CSV header (surrounding spaces dropped), checked for use as row keys."""
+    names = [h.strip() for h in header]
+    for i, name in enumerate(names, start=1):
+        if not name:
+            raise LeantuneError(f"{path}:{line}: column {i} of the header has no name; the "
+                                "header must name every column (e.g. instruction,input,output)")
+        if names.index(name) != i - 1:
+            raise LeantuneError(f"{path}:{line}: column {name!r} appears twice in the header; "
+                                "give each column its own name")
+    for name in ("messages", "conversations"):
+        if name in names:
+            raise LeantuneError(
+                f"{path}:{line}: a CSV column {name!r} would hold text, not the list of turns the "
+                "messages format needs; write the conversations as .jsonl, or use alpaca "
+                "(instruction,input,output) or text columns")
+    return names
+
+
+def _read_csv(path: Path) -> list[tuple[Location, dict]]:
+    reader = csv.reader(io.StringIO(_read_text(path), newline=""), strict=True)
+    names: list[str] | None = None
+    out: list[tuple[Location, dict]] = []
+    old_limit = csv.field_size_limit(CSV_FIELD_LIMIT)
+    try:
+        start = 1  # the line where the next record starts
+        for record in reader:
+            line, start = start, reader.line_num + 1
+            if not record:
+                continue  # a blank line
+            if names is None:
+                names = _csv_header(path, line, record)
+                continue
+            if len(record) != len(names):
+                raise LeantuneError(
+                    f"{path}:{line}: {len(record)} fields, but the header has {len(names)} "
+                    "columns; put quotes around values that hold commas (\"a, b\")")
+            out.append((line, dict(zip(names, record))))
+    except csv.Error as e:
+        raise LeantuneError(f"{path}:{start}: malformed CSV ({_short(e)}); quote values that "
+                            "hold commas, quotes or line breaks (\"say \"\"hi\"\"\")") from None
+    finally:
+        csv.field_size_limit(old_limit)
+    return out
+
+
 def _read_parquet(path: Path) -> list[tuple[Location, dict]]:
     try:
         import pyarrow.parquet as pq
@@ -141,27 +195,29 @@ def read_rows_located(path: str | os.PathLike) -> list[tuple[Location, dict]]:
     if not p.exists():
         raise LeantuneError(f"{p}: data file not found; check the path")
     if p.is_dir():
-        raise LeantuneError(f"{p}: is a directory; pass a .jsonl, .json or .parquet file")
+        raise LeantuneError(f"{p}: is a directory; pass a .jsonl, .json, .csv or .parquet file")
     suffix = p.suffix.lower()
     if suffix in JSONL_SUFFIXES:
         rows = _read_jsonl(p)
     elif suffix in JSON_SUFFIXES:
         rows = _read_json(p)
+    elif suffix in CSV_SUFFIXES:
+        rows = _read_csv(p)
     elif suffix in PARQUET_SUFFIXES:
         rows = _read_parquet(p)
     else:
         raise LeantuneError(
-            f"{p}: unknown data file extension {suffix or '(none)'!r}; use .jsonl, .json or "
-            ".parquet")
+            f"{p}: unknown data file extension {suffix or '(none)'!r}; use .jsonl, .json, .csv "
+            "or .parquet")
     if not rows:
         raise LeantuneError(f"{p}: file is empty (no rows); add at least one example")
     return rows
 
 
 def read_rows(path: str | os.PathLike) -> list[dict]:
-    """Read a .jsonl / .json / .parquet data file into a list of row dicts.
+    """Read a .jsonl / .json / .csv / .parquet data file into a list of row dicts.
 
     Raises:
-        LeantuneError: one line naming the file (and line number for JSON Lines).
+        LeantuneError: one line naming the file (and line number for JSON Lines and CSV).
     """
     return [row for _, row in read_rows_located(path)]

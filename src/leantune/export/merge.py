@@ -107,7 +107,8 @@ def export_merged(model: str | os.PathLike, adapter_dir: str | os.PathLike | Non
     ModelConfig.from_file(src / "config.json")  # validates model_type
     out = Path(out_dir)
     adapter = Path(adapter_dir) if adapter_dir else None
-    check_output_folder(out, {"base model": src, "adapter": adapter})
+    # (a subfolder of the adapter's folder is fine: the run's own merged/, --merge-at-end)
+    check_output_folder(out, {"base model": src, "adapter": adapter}, may_lie_inside=("adapter",))
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise LeantuneError(f"{out}: output folder is not empty; choose a new folder or pass "
                             "--overwrite")

@@ -14,6 +14,8 @@ from ..errors import LeantuneError
 class TrainConfig:
     model: str | None = None
     data: str | None = None
+    data_split: str = "train"  # split of a hub dataset or dataset folder
+    data_subset: str | None = None  # its config name (for --eval-data too)
     output: str = "leantune-output"
     format: str | None = None  # alpaca | messages | text; None = detect
     max_seq_len: int = 2048
@@ -32,13 +34,16 @@ class TrainConfig:
     lora_targets: str = "q,k,v,o,gate,up,down"
     use_rslora: bool = False
     full: bool = False
+    merge_at_end: bool = False  # LoRA: write OUTPUT/merged (base + adapter) at the end
     train_on_inputs: bool = False
     eval_data: str | None = None
+    eval_split: str = "test"  # split of --eval-data when it is a hub dataset or dataset folder
     eval_fraction: float = 0.0
     eval_every: int = 50
     save_every: int | None = None  # None = only at the end
     keep_checkpoints: int = 2
     log_every: int = 1
+    report_to: str = "none"  # none | tensorboard | wandb, or a comma list
     resume: bool = False
     overwrite: bool = False
     seed: int = 42

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from ..data.sources import check_source
+from ..data.sources import check_source
 from ..errors import LeantuneError
 from ..lora import LoRAConfig, apply_lora, save_adapter
 from ..model.config import ModelConfig
@@ -45,9 +47,12 @@ from .checkpoint import (
 )
 from .config import TrainConfig
 from .health import NonFiniteWatch
-from .metrics import MetricsWriter, Progress
+from .merge_at_end import check_merge_at_end, merge_at_end
+from .metrics import Progress
 from .output import FULL_INDEX, RUN_CONFIG, RunFolder
+from .plot import plot_after_training
 from .preflight import check_weights, locate_model
+from .reporting import check_report_to, open_reporting
 from .schedule import lr_factor
 
 
@@ -86,8 +91,10 @@ class Trainer:
             LoRAConfig(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
                        targets=cfg.lora_targets)
         for flag, path in (("--data", cfg.data), ("--eval-data", cfg.eval_data)):
-            if path and train_data is None and not Path(path).exists():
-                raise LeantuneError(f"{path}: data file not found; check the {flag} path")
+            if path and train_data is None:
+                check_source(path, flag)
+        check_report_to(cfg.report_to)
+        check_merge_at_end(cfg)
         model_dir = None
         if model is None or (tokenizer is None and train_data is None):
             if not cfg.model:
@@ -214,10 +221,13 @@ class Trainer:
         cfg = self.cfg
         if train_data is None:
             train_data = SFTDataset(cfg.data, self.tokenizer, cfg.max_seq_len, format=cfg.format,
-                                    train_on_inputs=cfg.train_on_inputs)
+                                    train_on_inputs=cfg.train_on_inputs, split=cfg.data_split,
+                                    subset=cfg.data_subset)
         if eval_data is None and cfg.eval_data:
             eval_data = SFTDataset(cfg.eval_data, self.tokenizer, cfg.max_seq_len,
-                                   format=cfg.format, train_on_inputs=cfg.train_on_inputs)
+                                   format=cfg.format, train_on_inputs=cfg.train_on_inputs,
+                                   split=cfg.eval_split, subset=cfg.data_subset,
+                                   split_flag="--eval-split")
         for what, data in (("training data", train_data), ("eval data", eval_data)):
             if data is not None:
                 _check_token_ids(data, vocab, what)
@@ -358,7 +368,7 @@ class Trainer:
         atomic_write_json(self.output / RUN_CONFIG, self.run_settings())
         if cfg.resume:  # drop records a crash left after the checkpoint: they are redone
             drop_metrics_after(self.output / "metrics.jsonl", self.step)
-        metrics = MetricsWriter(self.output / "metrics.jsonl", append=cfg.resume)
+        metrics = open_reporting(cfg, start_step=self.step)  # metrics.jsonl (+ --report-to)
         progress = Progress(self.total_steps, initial=self.step, bar=cfg.progress)
         last_loss, eval_loss = None, self.first_eval_loss
         t_start = time.perf_counter()
@@ -435,6 +445,9 @@ class Trainer:
             metrics.close()
         self.save_final()
         elapsed = time.perf_counter() - t_start
+        plot_after_training(self.output, self.log)
+        if cfg.merge_at_end:
+            merge_at_end(cfg, self.log)
         return TrainResult(self.step, last_loss, self.first_eval_loss, eval_loss, self.output,
                            tokens_run / max(elapsed, 1e-9), steps_run=self.step - start_step,
                            skipped_steps=skipped)

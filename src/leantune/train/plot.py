@@ -1,0 +1,126 @@
+"""The loss plot of a run: train loss, eval loss and the learning rate, from metrics.jsonl.
+
+`leantune plot RUN` writes RUN/loss.png; the end of `Trainer.train` writes it too when matplotlib
+is installed (an optional dependency: ``pip install 'leantune[plot]'``). Drawn on a bare
+`matplotlib.figure.Figure` (the Agg renderer), so no display and no pyplot state are involved.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from ..errors import LeantuneError
+from ..utils.io import atomic_path
+
+PLOT_NAME = "loss.png"
+INSTALL = "pip install 'leantune[plot]'"
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl file. A last line without its newline is a record being
+    written (the run is still going) and is left out; any other bad line is an error."""
+    try:
+        lines = path.read_text().split("\n")
+    except OSError as e:
+        raise LeantuneError(f"{path}: cannot read ({e.strerror or e})") from None
+    records = []
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if lineno == len(lines):
+                continue
+            raise LeantuneError(f"{path}:{lineno}: malformed JSON; metrics.jsonl holds one JSON "
+                                "record per line, as `leantune train` writes it") from None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise LeantuneError(f"{path}:{lineno}: expected a record with an integer \"step\", "
+                                "as `leantune train` writes it")
+        records.append(record)
+    return records
+
+
+def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+    points = [(r["step"], float(r[key])) for r in records
+              if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
+    return [s for s, _ in points], [v for _, v in points]
+
+
+def plot_metrics(run: str | os.PathLike, output: str | os.PathLike | None = None) -> Path:
+    """Draw RUN/metrics.jsonl (or a metrics file given directly) into a PNG.
+
+    Args:
+        run: the output folder of a run, or its metrics.jsonl.
+        output: the PNG to write; default loss.png next to metrics.jsonl.
+    Returns:
+        the PNG's path.
+    Raises:
+        LeantuneError: no run or metrics there, no loss records yet, matplotlib missing.
+    """
+    run = Path(run)
+    metrics = run / "metrics.jsonl" if run.is_dir() else run
+    if not metrics.is_file():
+        raise LeantuneError(f"{metrics}: not found; give the --output folder of a `leantune "
+                            "train` run (it writes metrics.jsonl from the first logged step)")
+    records = read_metrics(metrics)
+    train, evals, lrs = (_series(records, k) for k in ("loss", "eval_loss", "lr"))
+    if not train[0] and not evals[0]:
+        raise LeantuneError(f"{metrics}: no loss recorded yet; plot again after the first logged "
+                            "step")
+    out = Path(output) if output is not None else metrics.with_name(PLOT_NAME)
+    if not out.parent.is_dir():
+        raise LeantuneError(f"{out.parent}: folder does not exist; create it or choose another "
+                            "--output")
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise LeantuneError(f"plotting needs matplotlib; run `{INSTALL}`") from None
+
+    fig = Figure(figsize=(8, 4.5), layout="constrained")
+    ax = fig.add_subplot()
+    lines = []
+    if train[0]:
+        lines += ax.plot(*train, color="C0", linewidth=1.2, label="train loss")
+    if evals[0]:
+        lines += ax.plot(*evals, "o-", color="C1", markersize=4, label="eval loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    if lrs[0]:
+        lr_ax = ax.twinx()
+        lines += lr_ax.plot(*lrs, "--", color="C2", linewidth=1, alpha=0.8, label="learning rate")
+        lr_ax.set_ylabel("learning rate")
+        lr_ax.set_ylim(bottom=0)
+        lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+        ax.set_zorder(lr_ax.get_zorder() + 1)  # the losses and the legend above the lr line
+        ax.patch.set_visible(False)
+    ax.legend(handles=lines, loc="best")
+    ax.set_title(metrics.parent.resolve().name)
+    with atomic_path(out) as tmp:
+        fig.savefig(tmp, format="png", dpi=120)
+    return out
+
+
+def plot_after_training(output: Path, log) -> Path | None:
+    """Write OUTPUT/loss.png when matplotlib is there; otherwise say once how to get it. The plot
+    is a convenience: whatever goes wrong with it is a note, never the failure of a finished
+    run."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        log(f"note: no {PLOT_NAME} (it needs matplotlib: {INSTALL})")
+        return None
+    try:
+        path = plot_metrics(output)
+    except LeantuneError as e:
+        log(f"note: no {PLOT_NAME} ({e})")
+        return None
+    except Exception as e:  # matplotlib's own failures (fonts, backends, a full disk)
+        log(f"note: no {PLOT_NAME} ({type(e).__name__}: {' '.join(str(e).split())[:200]}); "
+            f"`leantune plot {output}` draws it later")
+        return None
+    log(f"loss plot: {path}")
+    return path

@@ -146,8 +146,17 @@ END_TEMPLATE = (
 )
 
 
-def make_tokenizer(chat_template=EOS_TEMPLATE):
-    """A tiny byte-level BPE in a transformers fast tokenizer with BOS/EOS/PAD and `chat_template`."""
+# ChatML (Qwen2/3, SmolLM): turns closed by <|im_end|>; needs make_tokenizer(extra_specials=CHATML_SPECIALS).
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CHATML_SPECIALS = ("<|im_start|>", "<|im_end|>")
+
+
+def make_tokenizer(chat_template=EOS_TEMPLATE, extra_specials=()):
+    """A tiny byte-level BPE in a transformers fast tokenizer with BOS/EOS/PAD and `chat_template`
+    (`extra_specials`: more special tokens, appended after the usual ones)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -155,12 +164,12 @@ def make_tokenizer(chat_template=EOS_TEMPLATE):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=SPECIALS, show_progress=False,
+        vocab_size=400, special_tokens=SPECIALS + list(extra_specials), show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS * 4, trainer)
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
                                  pad_token="<pad>",
-                                 additional_special_tokens=SPECIALS[3:])
+                                 additional_special_tokens=SPECIALS[3:] + list(extra_specials))
     hf.chat_template = chat_template
     return hf
 

@@ -102,6 +102,23 @@ def load_hf(folder: Path):
         folder, attn_implementation="eager", dtype=torch.float32).float().eval()
 
 
+def save_random_adapter(base: Path, folder: Path, seed: int, r: int = 4, alpha: float = 8):
+    """A LoRA adapter on every projection of the checkpoint in `base`, B ~ N(0, 0.2) so the
+    merge shows (PEFT format in `folder`); returns the leantune model carrying it (eval mode)."""
+    import leantune
+
+    model = leantune.load_model(base, device="cpu")
+    leantune.apply_lora(model, leantune.LoRAConfig(r=r, alpha=alpha,
+                                                   targets="q,k,v,o,gate,up,down"))
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    leantune.save_adapter(model, folder, base_model_name=str(base))
+    return model.eval()
+
+
 def save_tiny_tokenizer(folder: Path, vocab_size: int) -> None:
     """A word-level fast tokenizer ("w0".."wN") saved next to a checkpoint."""
     from tokenizers import Tokenizer, models, pre_tokenizers

@@ -49,6 +49,10 @@ def test_lora_run_writes_adapter_and_metrics(tiny_ckpt, alpaca_file, tmp_path, c
     out_dir = tmp_path / "run"
     out = run_ok(capsys, tiny_ckpt, alpaca_file, out_dir, "--lora-alpha", 8)
     assert "done: 2 steps" in out
+    # rank 4 is not one of vLLM's --max-lora-rank values: a warning, and the line that serves it
+    assert "warning: vLLM accepts LoRA ranks 8, 16" in out
+    assert (f"vllm serve {tiny_ckpt} --enable-lora --lora-modules run={out_dir} "
+            "--max-lora-rank 8") in out
     for name in ("adapter_model.safetensors", "adapter_config.json", "metrics.jsonl",
                  "tokenizer.json"):
         assert (out_dir / name).is_file(), name

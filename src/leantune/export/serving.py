@@ -22,11 +22,15 @@ VLLM_MAX_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def load_tokenizer(folder: str | os.PathLike):
-    """The transformers tokenizer saved in `folder`, or None when it has none."""
-    from transformers import AutoTokenizer
+    """The tokenizer saved in `folder` (transformers), or None when it has none.
 
+    A tokenizer.json is read as it is (PreTrainedTokenizerFast): AutoTokenizer would rebuild
+    some families' pipelines from their model type instead of the file."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    cls = PreTrainedTokenizerFast if (Path(folder) / "tokenizer.json").exists() else AutoTokenizer
     try:
-        return AutoTokenizer.from_pretrained(str(folder))
+        return cls.from_pretrained(str(folder))
     except Exception:  # no tokenizer files, or ones transformers cannot read
         return None
 

@@ -220,7 +220,7 @@ def export_gguf_lora(model: str | os.PathLike, adapter_dir: str | os.PathLike,
     """
     _check_quant(quant, LORA_QUANTS)
     _import_gguf()
-    if adapter_dir is None:
+    if not adapter_dir:
         raise LeantuneError("--format gguf-lora needs --adapter")
     out = Path(out_dir)
     weights = MergedWeights(model, adapter_dir)  # checks the adapter fits this base

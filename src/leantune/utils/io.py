@@ -53,12 +53,13 @@ def staged_dir(out: str | os.PathLike, overwrite: bool = False):
     replaces its namesake in `out`, other files there are kept. On failure nothing in `out`
     changes and the temporary folder is removed."""
     import shutil
-    import tempfile
+    import uuid
 
     out = Path(out)
     check_output_dir(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()  # the umask's permissions, as the output folder should have
     try:
         yield tmp
         if out.is_dir() and not any(out.iterdir()):

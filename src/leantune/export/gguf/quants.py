@@ -31,7 +31,7 @@ import torch
 
 # Elements per chunk of blocks quantised at once: large enough to amortise torch's per-op
 # overhead, small enough that the temporaries of the K-quant search stay in cache-sized buffers.
-CHUNK_ELEMENTS = 1 << 20
+CHUNK_ELEMENTS = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,11 @@ def _half_bytes(d: torch.Tensor) -> torch.Tensor:
 def _signed_absmax(x: torch.Tensor) -> torch.Tensor:
     """The element of largest magnitude along the last dim, with its sign ([..., 1])."""
     return x.gather(-1, x.abs().argmax(-1, keepdim=True))
+
+
+def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """sum(a * b) over the last dim, in one pass."""
+    return torch.linalg.vecdot(a, b)
 
 
 def _nibbles(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
@@ -120,12 +125,13 @@ def _fit_affine(x: torch.Tensor, top: int, grid) -> tuple[torch.Tensor, torch.Te
     k = x.shape[-1]
     lo = x.amin(-1).clamp(max=0)
     span = x.amax(-1) - lo
-    sx, sxx = x.sum(-1), (x * x).sum(-1)
+    above = x - lo[..., None]
+    sx, sxx = x.sum(-1), _dot(x, x)
     best_err = torch.full_like(sx, float("inf"))
     best_s, best_b = torch.zeros_like(sx), torch.zeros_like(sx)
     for levels in grid:
-        q = ((x - lo[..., None]) * _inv(span / levels)[..., None]).round_().clamp_(0, top)
-        sq, sqq, sqx = q.sum(-1), (q * q).sum(-1), (q * x).sum(-1)
+        q = (above * _inv(span / levels)[..., None]).round_().clamp_(0, top)
+        sq, sqq, sqx = q.sum(-1), _dot(q, q), _dot(q, x)
         det = k * sqq - sq * sq
         s = (k * sqx - sq * sx) * _inv(det)
         b = (sx - s * sq) / k  # x ~ s * q + b
@@ -172,14 +178,13 @@ Q6_K_GRID = (1.0, 0.97, 1.03, 0.94)
 def _fit_symmetric(x: torch.Tensor, grid) -> torch.Tensor:
     """Per row of x [..., k]: a signed scale s so x ~ s * q, q in [-32, 31]."""
     s0 = _signed_absmax(x)[..., 0] / -32
-    sxx = (x * x).sum(-1)
     best_err = torch.full_like(s0, float("inf"))
     best_s = torch.zeros_like(s0)
     for f in grid:
         q = (x * _inv(s0 * f)[..., None]).round_().clamp_(-32, 31)
-        sqq, sqx = (q * q).sum(-1), (q * x).sum(-1)
+        sqq, sqx = _dot(q, q), _dot(q, x)
         s = sqx * _inv(sqq)
-        err = sxx - s * sqx  # the least-squares residual for this s
+        err = -s * sqx  # the least-squares residual for this s, less sum(x^2)
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best_s = torch.where(better, s, best_s)

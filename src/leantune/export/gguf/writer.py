@@ -190,11 +190,12 @@ def export_gguf(model: str | os.PathLike, adapter_dir: str | os.PathLike | None,
                         f"tokens; llama.cpp's {arch} architecture attends over the whole "
                         "context, so outputs differ past the window")
     planned = _plan_model(weights, quant)
+    model_name = Path(os.fspath(model)).name or weights.src.resolve().name  # hub id: its name
     file_name = f"model-{quant}.gguf"
     name = ollama_name(out.resolve().name)
     with staged_dir(out, overwrite) as tmp:
         _write(tmp / file_name, arch,
-               lambda w: _model_metadata(w, cfg, arch, quant, weights.src.resolve().name, vocab),
+               lambda w: _model_metadata(w, cfg, arch, quant, model_name, vocab),
                planned, progress)
         text, more = modelfile_text(
             file_name, vocab.chat_template, vocab.stop_strings,

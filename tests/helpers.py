@@ -191,6 +191,46 @@ def make_tokenizer(chat_template=EOS_TEMPLATE, extra_specials=()):
     return hf
 
 
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }}"
+    "[/INST]{% else %} {{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+)
+
+
+def make_spm_tokenizer(chat_template=MISTRAL_TEMPLATE):
+    """A tiny SentencePiece-style BPE (Llama 2 / Mistral 7B layout): <unk> <s> </s>, the 256
+    byte-fallback tokens <0x00>..<0xFF>, then the learned pieces; spaces as "▁", a "▁" before
+    the text, BOS added on encode."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    def with_spaces(t):
+        t.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
+                                             normalizers.Replace(" ", "\u2581")])
+        return t
+
+    learner = with_spaces(Tokenizer(models.BPE(unk_token="<unk>")))
+    learner.train_from_iterator(CORPUS * 4, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False))
+    learned = json.loads(learner.to_str())["model"]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece, i in sorted(learned["vocab"].items(), key=lambda kv: kv[1]):
+        vocab.setdefault(piece, len(vocab))
+    tok = with_spaces(Tokenizer(models.BPE(
+        vocab=vocab, merges=[tuple(m) if not isinstance(m, str) else tuple(m.split(" "))
+                             for m in learned["merges"]],
+        unk_token="<unk>", fuse_unk=True, byte_fallback=True)))
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                 unk_token="<unk>")
+    hf.chat_template = chat_template
+    return hf
+
+
 # --- a tiny Llama checkpoint and alpaca data for the trainer and CLI tests ------------------------
 def save_tiny_checkpoint(folder: Path, tokenizer, hidden: int = 32, seed: int = 0) -> Path:
     """A 2-layer Llama checkpoint (config.json + model.safetensors) and its tokenizer."""

@@ -20,6 +20,7 @@ from helpers import (
     CHATML_TEMPLATE,
     EOS_TEMPLATE,
     load_hf,
+    make_spm_tokenizer,
     make_tokenizer,
     one_torch_thread,  # noqa: F401  (autouse)
     randomize_,
@@ -59,12 +60,12 @@ def _tokenizer(family):
     return make_tokenizer(EOS_TEMPLATE)
 
 
-def _save_base(family: str, folder: Path, seed: int = 0, **overrides) -> Path:
-    """A randomised tiny checkpoint of `family` with a byte-level BPE tokenizer; its vocab has 5
-    padding rows beyond the tokenizer (as real checkpoints often do)."""
+def _save_base(family: str, folder: Path, seed: int = 0, tok=None, **overrides) -> Path:
+    """A randomised tiny checkpoint of `family` with `tok` (default: a byte-level BPE); its vocab
+    has 5 padding rows beyond the tokenizer (as real checkpoints often do)."""
     from transformers import AutoModelForCausalLM
 
-    tok = _tokenizer(family)
+    tok = tok or _tokenizer(family)
     cfg = tiny_config(family)
     for k, v in {**dict(hidden_size=64, intermediate_size=96, head_dim=16),
                  **SIZES.get(family, {}), "vocab_size": len(tok) + 5, **overrides}.items():
@@ -512,3 +513,33 @@ def test_sliding_window_is_warned(tmp_path):
     base = _save_base("mistral", tmp_path / "base", sliding_window=8)
     res = export_gguf(base, None, tmp_path / "out")
     assert any("sliding window of 8 tokens" in w for w in res.warnings)
+
+
+def test_sentencepiece_style_tokenizer(tmp_path):
+    """Llama 2 / Mistral 7B tokenizers (BPE with byte fallback, "▁" for spaces) become
+    llama.cpp's "llama" model: byte tokens typed BYTE, scores that replay the merge order, the
+    space prefix; transformers rebuilds the same tokenizer from the file."""
+    from transformers import AutoTokenizer
+
+    tok = make_spm_tokenizer()
+    base = _save_base("mistral", tmp_path / "base", tok=tok)
+    res = export_gguf(base, None, tmp_path / "out", quant="q8_0")
+    reader = gguf.GGUFReader(str(res.gguf))
+    assert _field(reader, "tokenizer.ggml.model") == "llama"
+    assert _field(reader, "tokenizer.ggml.pre") == "default"
+    assert _field(reader, "tokenizer.ggml.add_space_prefix") is True
+    assert _field(reader, "tokenizer.ggml.add_bos_token") is True
+    types = _field(reader, "tokenizer.ggml.token_type")
+    assert types[:3] == [2, CONTROL, CONTROL] and set(types[3:259]) == {6}  # unk, specials, bytes
+    assert set(types[259:len(tok)]) == {NORMAL}
+    scores = _field(reader, "tokenizer.ggml.scores")
+    merges = _field(reader, "tokenizer.ggml.merges")
+    first = tok.convert_tokens_to_ids(merges[0].replace(" ", ""))
+    assert scores[first] == 0.0 and min(scores) == -(len(merges) - 1)
+    back = AutoTokenizer.from_pretrained(str(res.gguf.parent), gguf_file=res.gguf.name)
+    # (not text with a leading space: transformers rebuilds the prefix with Metaspace, which adds
+    # no "▁" before one, where this tokenizer's normalizer and llama.cpp always do)
+    for text in ["What is the capital of France?", "héllo  wörld 42 ✓\nthe lazy dog."]:
+        assert back(text).input_ids == tok(text).input_ids, text
+    text = res.modelfile.read_text()
+    assert "[INST] " in text and 'PARAMETER stop "</s>"' in text

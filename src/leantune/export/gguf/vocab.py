@@ -1,13 +1,17 @@
-"""The tokenizer as GGUF metadata: a byte-level BPE's tokens, token types, merges, the name of
-llama.cpp's pre-tokenizer for it, special ids, the add-BOS flag and the chat template.
+"""The tokenizer as GGUF metadata: tokens, token types, merges, the name of llama.cpp's
+pre-tokenizer, special ids, the add-BOS flag and the chat template.
 
-The pre-tokenizer name tells llama.cpp how to split text before BPE; it is read from the
-tokenizer.json pre-tokenizer (its split regex, digit splitting), not guessed from the model name.
+Two kinds of BPE tokenizer.json: byte-level (GPT-2 style: Llama 3, Qwen2/3, SmolLM, Mistral
+Nemo), written as llama.cpp's "gpt2" model with the pre-tokenizer name read from tokenizer.json
+(its split regex, digit splitting), not guessed from the model name; and SentencePiece-style BPE
+with byte fallback ("▁" for spaces: Llama 2, Mistral 7B), written as llama.cpp's "llama" model,
+whose merge order comes from token scores: a token made by merge number k scores -k.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,7 +19,8 @@ from ...errors import LeantuneError
 from ..serving import chat_template_of, load_tokenizer, stop_token_ids
 
 # llama.cpp token types
-NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-F]{2}>")
 
 # Split regexes of the tokenizer families llama.cpp knows by name (as their tokenizer.json
 # files spell them).
@@ -28,6 +33,7 @@ TEKKEN_MARK = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\
 
 @dataclass
 class GGUFVocab:
+    model: str  # llama.cpp's tokenizer model: "gpt2" (byte-level BPE) | "llama" (SentencePiece)
     pre: str  # llama.cpp's pre-tokenizer name
     tokens: list[str]
     token_types: list[int]
@@ -40,6 +46,8 @@ class GGUFVocab:
     add_bos: bool
     add_eos: bool
     chat_template: str | None
+    scores: list[float] | None = None  # "llama" model: merge priority per token
+    add_space_prefix: bool | None = None  # "llama" model: a "▁" before the text
     stop_ids: list[int] = field(default_factory=list)  # every id that ends generation
     warnings: list[str] = field(default_factory=list)
 
@@ -90,12 +98,14 @@ def read_vocab(src: Path, vocab_size: int) -> GGUFVocab:
     tj = json.loads(tok.backend_tokenizer.to_str())
     model = tj.get("model") or {}
     byte_level = any(s.get("type") == "ByteLevel" for s in _flatten(tj.get("pre_tokenizer")))
-    if model.get("type") != "BPE" or not byte_level:
+    spm = _sentencepiece_style(tj)
+    if model.get("type") != "BPE" or not (byte_level or spm):
         kind = model.get("type") if model.get("type") != "BPE" else "BPE without byte-level"
         raise LeantuneError(f"{src}: tokenizer.json is a {kind} tokenizer; GGUF export supports "
-                            "byte-level BPE tokenizers (Llama 3, Qwen2/3, SmolLM, Mistral Nemo)")
+                            "byte-level BPE (Llama 3, Qwen2/3, SmolLM, Mistral Nemo) and "
+                            "SentencePiece-style BPE (Llama 2, Mistral 7B) tokenizers")
     warnings = []
-    pre = pre_tokenizer_name(tj)
+    pre = "default" if spm else pre_tokenizer_name(tj)
     if pre is None:
         pre = "default"
         warnings.append(f"{src}: tokenizer.json's pre-tokenizer is not one llama.cpp knows by "
@@ -110,8 +120,11 @@ def read_vocab(src: Path, vocab_size: int) -> GGUFVocab:
     tokens, types = [], []
     for i in range(vocab_size):  # ids the tokenizer lacks: padding rows of the embedding
         text, kind = by_id.get(i, (f"[PAD{i}]", UNUSED))
+        if spm and kind == NORMAL and _BYTE_TOKEN.fullmatch(text):
+            kind = BYTE
         tokens.append(text)
-        types.append(kind)
+        types.append(UNKNOWN if spm and i == tok.unk_token_id else kind)
+    merges = _merge_strings(model.get("merges", []))
 
     with_special = tok.encode("a", add_special_tokens=True)
     plain = tok.encode("a", add_special_tokens=False)
@@ -121,8 +134,40 @@ def read_vocab(src: Path, vocab_size: int) -> GGUFVocab:
         eos = stops[0]
     eot = next((i for i in stops if i != eos and types[i] == CONTROL), None)
     return GGUFVocab(
-        pre=pre, tokens=tokens, token_types=types, merges=_merge_strings(model.get("merges", [])),
+        model="llama" if spm else "gpt2", pre=pre, tokens=tokens, token_types=types, merges=merges,
         bos_id=bos, eos_id=eos, pad_id=tok.pad_token_id, unk_id=tok.unk_token_id, eot_id=eot,
         add_bos=bos is not None and with_special[:1] == [bos] and plain[:1] != [bos],
         add_eos=eos is not None and with_special[-1:] == [eos] and plain[-1:] != [eos],
-        chat_template=chat_template_of(tok), stop_ids=stops, warnings=warnings)
+        chat_template=chat_template_of(tok), stop_ids=stops, warnings=warnings,
+        scores=_merge_scores(tokens, merges) if spm else None,
+        add_space_prefix=_space_prefix(tj) if spm else None)
+
+
+def _normalizers(tj: dict) -> list[dict]:
+    norm = tj.get("normalizer") or {}
+    return norm.get("normalizers", []) if norm.get("type") == "Sequence" else [norm]
+
+
+def _sentencepiece_style(tj: dict) -> bool:
+    """A BPE with byte fallback that writes spaces as "▁" (a normalizer or Metaspace)."""
+    spaces = any(n.get("type") == "Replace" and n.get("content") == "\u2581"
+                 for n in _normalizers(tj)) \
+        or any(p.get("type") == "Metaspace" for p in _flatten(tj.get("pre_tokenizer")))
+    return bool((tj.get("model") or {}).get("byte_fallback")) and spaces
+
+
+def _space_prefix(tj: dict) -> bool:
+    """Whether the tokenizer puts a "▁" before the text (Prepend normalizer or Metaspace)."""
+    if any(n.get("type") == "Prepend" and n.get("prepend") == "\u2581" for n in _normalizers(tj)):
+        return True
+    return any(p.get("type") == "Metaspace" and p.get("prepend_scheme", "always") != "never"
+               for p in _flatten(tj.get("pre_tokenizer")))
+
+
+def _merge_scores(tokens: list[str], merges: list[str]) -> list[float]:
+    """SentencePiece scores that replay the BPE merge order: the token made by merge k scores
+    -k (llama.cpp merges the adjacent pair whose result scores highest); others score 0."""
+    rank: dict[str, int] = {}
+    for k, merge in enumerate(merges):
+        rank.setdefault(merge.replace(" ", "", 1), k)
+    return [-float(rank[t]) if t in rank else 0.0 for t in tokens]

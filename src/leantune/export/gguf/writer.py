@@ -127,11 +127,15 @@ def _model_metadata(writer, cfg: ModelConfig, arch: str, quant: str, name: str,
     if scaling.get("rope_type") == "linear":
         w.add_rope_scaling_type(_import_gguf().RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(float(scaling["factor"]))
-    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_model(vocab.model)
     w.add_tokenizer_pre(vocab.pre)
     w.add_token_list(vocab.tokens)
     w.add_token_types(vocab.token_types)
     w.add_token_merges(vocab.merges)
+    if vocab.scores is not None:
+        w.add_token_scores(vocab.scores)
+    if vocab.add_space_prefix is not None:
+        w.add_add_space_prefix(vocab.add_space_prefix)
     for value, add in [(vocab.bos_id, w.add_bos_token_id), (vocab.eos_id, w.add_eos_token_id),
                        (vocab.pad_id, w.add_pad_token_id), (vocab.unk_id, w.add_unk_token_id),
                        (vocab.eot_id, w.add_eot_token_id)]:

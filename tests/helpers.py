@@ -1,6 +1,6 @@
 """The one module of shared test helpers (test modules import from here, never from each other):
 tiny Hugging Face configs for every supported family, randomised transformers models saved as
-checkpoints, tiny tokenizers (word-level; a byte-level BPE with chat templates), a tiny Llama
+checkpoints, tiny tokenizers (word-level; byte-level and SentencePiece-style BPEs with chat templates), a tiny Llama
 checkpoint and alpaca data for the trainer and CLI tests, and the one-thread fixture.
 
 Weights are re-randomised with a larger spread than transformers' init (std 0.02, norms 1, biases

@@ -58,11 +58,15 @@ def stop_token_ids(src: Path, tokenizer=None) -> list[int]:
         if path.exists():
             ids += _ids(json.loads(path.read_text()).get("eos_token_id"))
     if tokenizer is not None:
-        ids += _ids(tokenizer.eos_token_id)
-        template = chat_template_of(tokenizer) or ""
-        vocab = tokenizer.get_vocab()
-        ids += [vocab[t] for t in TURN_END_TOKENS if t in template and t in vocab]
+        ids += _ids(tokenizer.eos_token_id) + turn_end_ids(tokenizer)
     return list(dict.fromkeys(ids))
+
+
+def turn_end_ids(tokenizer) -> list[int]:
+    """Ids of the TURN_END_TOKENS the tokenizer's chat template writes."""
+    template = chat_template_of(tokenizer) or ""
+    vocab = tokenizer.get_vocab()
+    return [vocab[t] for t in TURN_END_TOKENS if t in template and t in vocab]
 
 
 def write_generation_config(src: Path, out: Path, tokenizer=None) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...errors import LeantuneError
-from ..serving import chat_template_of, load_tokenizer, stop_token_ids
+from ..serving import chat_template_of, load_tokenizer, stop_token_ids, turn_end_ids
 
 # llama.cpp token types
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -42,7 +42,7 @@ class GGUFVocab:
     eos_id: int | None
     pad_id: int | None
     unk_id: int | None
-    eot_id: int | None  # a turn-end token other than EOS (e.g. <|eot_id|>), if the template has one
+    eot_id: int | None  # the chat template's end-of-turn token (e.g. <|im_end|>), if any
     add_bos: bool
     add_eos: bool
     chat_template: str | None
@@ -132,7 +132,7 @@ def read_vocab(src: Path, vocab_size: int) -> GGUFVocab:
     stops = stop_token_ids(src, tok)
     if eos is None and stops:
         eos = stops[0]
-    eot = next((i for i in stops if i != eos and types[i] == CONTROL), None)
+    eot = next(iter(turn_end_ids(tok)), None)
     return GGUFVocab(
         model="llama" if spm else "gpt2", pre=pre, tokens=tokens, token_types=types, merges=merges,
         bos_id=bos, eos_id=eos, pad_id=tok.pad_token_id, unk_id=tok.unk_token_id, eot_id=eot,

@@ -1,7 +1,8 @@
 """The one module of shared test helpers (test modules import from here, never from each other):
 tiny Hugging Face configs for every supported family, randomised transformers models saved as
-checkpoints, tiny tokenizers (word-level; byte-level and SentencePiece-style BPEs with chat templates), a tiny Llama
-checkpoint and alpaca data for the trainer and CLI tests, and the one-thread fixture.
+checkpoints, tiny tokenizers (word-level; byte-level and SentencePiece-style BPEs with chat
+templates), a tiny Llama checkpoint and alpaca data for the trainer and CLI tests, and the
+one-thread fixture.
 
 Weights are re-randomised with a larger spread than transformers' init (std 0.02, norms 1, biases
 0), so that norms, biases and q/k norms all carry signal and a 1e-4 logits tolerance means
@@ -163,7 +164,8 @@ END_TEMPLATE = (
 )
 
 
-# ChatML (Qwen2/3, SmolLM): turns closed by <|im_end|>; needs make_tokenizer(extra_specials=CHATML_SPECIALS).
+# ChatML (Qwen2/3, SmolLM): turns closed by <|im_end|>;
+# use with make_tokenizer(extra_specials=CHATML_SPECIALS).
 CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

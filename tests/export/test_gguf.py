@@ -154,7 +154,8 @@ def test_every_tensor_round_trips(root, family, quant):
     assert _field(reader, "general.file_type") == {"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7,
                                                    "q4_0": 2, "q5_0": 8, "q4_k_m": 15,
                                                    "q6_k": 18}[quant]
-    for key, value in [("block_count", cfg.num_hidden_layers), ("embedding_length", cfg.hidden_size),
+    for key, value in [("block_count", cfg.num_hidden_layers),
+                       ("embedding_length", cfg.hidden_size),
                        ("feed_forward_length", cfg.intermediate_size),
                        ("attention.head_count", cfg.num_attention_heads),
                        ("attention.head_count_kv", cfg.num_key_value_heads),
@@ -207,7 +208,8 @@ def test_transformers_loads_the_gguf(root, family, quant):
     loaded = AutoModelForCausalLM.from_pretrained(
         str(res.gguf.parent), gguf_file=res.gguf.name, dtype=torch.float32).eval()
     ref = load_hf(merged)
-    ids = torch.randint(0, ref.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(5))
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, ref.config.vocab_size, (2, 12), generator=g)
     with torch.no_grad():
         exact = ref(ids).logits
         if quant == "f16":

@@ -5,13 +5,13 @@ Each quantiser maps blocks of a float tensor ([n_blocks, block] fp32) to their b
 GGML's published ones (gguf-py's dequantisers are the reference in the tests); every 16-bit
 scale is stored as IEEE half, little-endian.
 
-| type | block | bytes | value of element i |
-|---|---|---|---|
-| q8_0 | 32 | d (f16), 32 x int8 q | d * q |
-| q4_0 | 32 | d, 16 bytes: q[j] low nibble, q[j + 16] high | d * (q - 8) |
-| q5_0 | 32 | d, 32 high bits (uint32), 16 bytes of low nibbles as q4_0 | d * (q - 16) |
-| q4_k | 256 | d, dmin, 12 bytes of eight 6-bit (scale, min), 128 bytes of nibbles | d * sc[j] * q - dmin * m[j], sub-block j of 32 |
-| q6_k | 256 | 128 bytes low nibbles, 64 bytes high 2-bit pairs, 16 x int8 sc, d | d * sc[j] * (q - 32), sub-block j of 16 |
+- q8_0, blocks of 32: d (f16), 32 x int8 q; value d * q.
+- q4_0, 32: d, 16 bytes (byte j: q[j] low nibble, q[j + 16] high); value d * (q - 8).
+- q5_0, 32: d, the 32 fifth bits (uint32), 16 bytes of low nibbles as q4_0; d * (q - 16).
+- q4_k, 256 (8 sub-blocks of 32): d, dmin, 12 bytes of eight 6-bit (scale, min) pairs, 128
+  bytes of nibbles; value d * sc[j] * q - dmin * m[j] in sub-block j.
+- q6_k, 256 (16 sub-blocks of 16): 128 bytes of low nibbles, 64 bytes of high 2-bit pairs,
+  16 x int8 scales, d; value d * sc[j] * (q - 32).
 
 The K-quant scales are chosen by a small search: q4_k tries a few step sizes per sub-block and
 refits scale and offset by least squares on the resulting codes; q6_k does the same for its

@@ -1,7 +1,8 @@
 """The one module of shared test helpers (test modules import from here, never from each other):
 tiny Hugging Face configs for every supported family, randomised transformers models saved as
-checkpoints, tiny tokenizers (word-level; a byte-level BPE with chat templates), a tiny Llama
-checkpoint and alpaca data for the trainer and CLI tests, and the one-thread fixture.
+checkpoints, tiny tokenizers (word-level; byte-level and SentencePiece-style BPEs with chat
+templates), a tiny Llama checkpoint and alpaca data for the trainer and CLI tests, and the
+one-thread fixture.
 
 Weights are re-randomised with a larger spread than transformers' init (std 0.02, norms 1, biases
 0), so that norms, biases and q/k norms all carry signal and a 1e-4 logits tolerance means
@@ -102,6 +103,23 @@ def load_hf(folder: Path):
         folder, attn_implementation="eager", dtype=torch.float32).float().eval()
 
 
+def save_random_adapter(base: Path, folder: Path, seed: int, r: int = 4, alpha: float = 8):
+    """A LoRA adapter on every projection of the checkpoint in `base`, B ~ N(0, 0.2) so the
+    merge shows (PEFT format in `folder`); returns the leantune model carrying it (eval mode)."""
+    import leantune
+
+    model = leantune.load_model(base, device="cpu")
+    leantune.apply_lora(model, leantune.LoRAConfig(r=r, alpha=alpha,
+                                                   targets="q,k,v,o,gate,up,down"))
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    leantune.save_adapter(model, folder, base_model_name=str(base))
+    return model.eval()
+
+
 def save_tiny_tokenizer(folder: Path, vocab_size: int) -> None:
     """A word-level fast tokenizer ("w0".."wN") saved next to a checkpoint."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -146,8 +164,18 @@ END_TEMPLATE = (
 )
 
 
-def make_tokenizer(chat_template=EOS_TEMPLATE):
-    """A tiny byte-level BPE in a transformers fast tokenizer with BOS/EOS/PAD and `chat_template`."""
+# ChatML (Qwen2/3, SmolLM): turns closed by <|im_end|>;
+# use with make_tokenizer(extra_specials=CHATML_SPECIALS).
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CHATML_SPECIALS = ("<|im_start|>", "<|im_end|>")
+
+
+def make_tokenizer(chat_template=EOS_TEMPLATE, extra_specials=()):
+    """A tiny byte-level BPE in a transformers fast tokenizer with BOS/EOS/PAD and `chat_template`
+    (`extra_specials`: more special tokens, appended after the usual ones)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -155,12 +183,52 @@ def make_tokenizer(chat_template=EOS_TEMPLATE):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=SPECIALS, show_progress=False,
+        vocab_size=400, special_tokens=SPECIALS + list(extra_specials), show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS * 4, trainer)
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
                                  pad_token="<pad>",
-                                 additional_special_tokens=SPECIALS[3:])
+                                 additional_special_tokens=SPECIALS[3:] + list(extra_specials))
+    hf.chat_template = chat_template
+    return hf
+
+
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }}"
+    "[/INST]{% else %} {{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+)
+
+
+def make_spm_tokenizer(chat_template=MISTRAL_TEMPLATE):
+    """A tiny SentencePiece-style BPE (Llama 2 / Mistral 7B layout): <unk> <s> </s>, the 256
+    byte-fallback tokens <0x00>..<0xFF>, then the learned pieces; spaces as "▁", a "▁" before
+    the text, BOS added on encode."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    def with_spaces(t):
+        t.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
+                                             normalizers.Replace(" ", "\u2581")])
+        return t
+
+    learner = with_spaces(Tokenizer(models.BPE(unk_token="<unk>")))
+    learner.train_from_iterator(CORPUS * 4, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False))
+    learned = json.loads(learner.to_str())["model"]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece, i in sorted(learned["vocab"].items(), key=lambda kv: kv[1]):
+        vocab.setdefault(piece, len(vocab))
+    tok = with_spaces(Tokenizer(models.BPE(
+        vocab=vocab, merges=[tuple(m) if not isinstance(m, str) else tuple(m.split(" "))
+                             for m in learned["merges"]],
+        unk_token="<unk>", fuse_unk=True, byte_fallback=True)))
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                 unk_token="<unk>")
     hf.chat_template = chat_template
     return hf
 

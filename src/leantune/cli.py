@@ -159,6 +159,11 @@ def cmd_train(args) -> int:
     what = "full model" if cfg.full else "LoRA adapter (PEFT format)"
     print(f"done: {result.steps} steps, {result.tokens_per_s:,.0f} tokens/s; {what} in {out}/, "
           f"metrics in {out / 'metrics.jsonl'}")
+    if not cfg.full:
+        from .export.serving import vllm_lora_lines
+
+        for line in vllm_lora_lines(cfg.model, out, cfg.lora_r):
+            print(line)
     if demo:
         print(f"\nNext, with your own model and data ({OPEN_MODEL} downloads without a "
               f"licence to accept):\n"
@@ -170,12 +175,34 @@ def cmd_train(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from .export import export_merged
+    if args.format == "merged":
+        from .export import export_merged
 
-    out = export_merged(args.model, args.adapter, args.output, dtype=args.dtype,
-                        overwrite=args.overwrite, log=print)
-    print(f"merged checkpoint written to {out}/ (loads with transformers "
-          "AutoModelForCausalLM.from_pretrained)")
+        if args.quant:
+            raise LeantuneError("--quant applies to --format gguf and gguf-lora; a merged "
+                                "export takes --dtype")
+        out = export_merged(args.model, args.adapter, args.output, dtype=args.dtype,
+                            overwrite=args.overwrite, log=print)
+        print(f"merged checkpoint written to {out}/ (loads with transformers "
+              "AutoModelForCausalLM.from_pretrained; serve it with: vllm serve "
+              f"{out})")
+        return 0
+    from .export import export_gguf, export_gguf_lora
+
+    if args.dtype:
+        raise LeantuneError("--dtype applies to --format merged; a GGUF export takes --quant")
+    if args.format == "gguf-lora":
+        res = export_gguf_lora(args.model, args.adapter, args.output, quant=args.quant or "f16",
+                               overwrite=args.overwrite)
+        print(f"LoRA adapter written to {res.gguf} (llama.cpp: llama-cli -m BASE.gguf "
+              f"--lora {res.gguf})")
+        return 0
+    res = export_gguf(args.model, args.adapter, args.output, quant=args.quant or "f16",
+                      overwrite=args.overwrite, progress=True)
+    for w in res.warnings:
+        print(f"leantune: warning: {w}", file=sys.stderr)
+    print(f"GGUF written to {res.gguf}, Ollama Modelfile beside it; run it with Ollama: "
+          f"{res.ollama_command}")
     return 0
 
 
@@ -209,13 +236,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"leantune {__version__}")
     sub = p.add_subparsers(dest="command", metavar="{train,export,plot,inspect-data,doctor}")
     _train_parser(sub)
-    e = sub.add_parser("export", help="merge a LoRA adapter into its base: HF safetensors")
+    e = sub.add_parser("export", help="merge a LoRA adapter into its base: HF safetensors or GGUF")
     e.add_argument("--model", required=True, help="base checkpoint folder or hub id")
-    e.add_argument("--adapter", required=True,
+    e.add_argument("--adapter",
                    help="adapter folder written by `leantune train` (or PEFT), a run folder "
                         "(its latest checkpoint when the run has no final adapter), or one "
-                        "checkpoint: RUN/checkpoints/step-N")
-    e.add_argument("--output", required=True, help="folder for the merged checkpoint")
+                        "checkpoint: RUN/checkpoints/step-N (without it: the base alone)")
+    e.add_argument("--output", required=True, help="output folder")
+    e.add_argument("--format", choices=["merged", "gguf", "gguf-lora"], default="merged",
+                   help="merged: HF safetensors (default); gguf: one GGUF file + Ollama "
+                        "Modelfile; gguf-lora: the adapter alone for llama.cpp's --lora")
+    e.add_argument("--quant", help="GGUF tensor type: f32, f16 (default), bf16, q8_0, q4_0, "
+                                   "q5_0, q4_k_m, q6_k (gguf-lora: f32, f16, bf16, q8_0)")
     e.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                    help="output dtype (default: the base's)")
     e.add_argument("--overwrite", action="store_true",

@@ -12,6 +12,7 @@ from helpers import (
     max_abs,
     one_torch_thread,  # noqa: F401  (autouse)
     save_checkpoint,
+    save_random_adapter,
     save_tiny_tokenizer,
 )
 from safetensors import safe_open
@@ -33,15 +34,8 @@ def trained(request, tmp_path_factory):
     save_checkpoint(family, base, seed=30)
     save_tiny_tokenizer(base, vocab_size=leantune.ModelConfig.from_file(
         base / "config.json").vocab_size)
-    model = leantune.load_model(base, device="cpu")
-    apply_lora(model, LoRAConfig(r=4, alpha=8, targets="q,k,v,o,gate,up,down"))
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(31)
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
-    save_adapter(model, adapter, base_model_name=str(base))
-    return base, adapter, model.eval()
+    model = save_random_adapter(base, adapter, seed=31)
+    return base, adapter, model
 
 
 @pytest.fixture(scope="module")
@@ -87,9 +81,15 @@ def test_export_sharded_loads_in_transformers(trained, ids, tmp_path):
     assert json.loads((out / "config.json").read_text()) == json.loads(
         (base / "config.json").read_text())
     # Side files come along: generation config and the tokenizer.
-    for side in ["generation_config.json", "tokenizer.json", "tokenizer_config.json"]:
+    for side in ["tokenizer.json", "tokenizer_config.json"]:
         assert (base / side).exists()
         assert (out / side).read_bytes() == (base / side).read_bytes(), side
+    # generation_config.json: the base's, its eos_token_id completed with the tokenizer's EOS
+    base_gen = json.loads((base / "generation_config.json").read_text())
+    gen = json.loads((out / "generation_config.json").read_text())
+    eos = base_gen.get("eos_token_id")
+    assert gen == {**base_gen, "eos_token_id": gen["eos_token_id"]}
+    assert gen["eos_token_id"] == (2 if eos == 2 else [2])  # llama's is w2 already; qwen2 has none
     assert not list(out.glob(".*tmp*"))  # no temporary files left behind
 
     lora_logits = _logits(model, ids)

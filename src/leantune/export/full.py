@@ -13,12 +13,13 @@ TOKENIZER_FILES = ["generation_config.json", "tokenizer.json", "tokenizer_config
                    "added_tokens.json", "chat_template.jinja", "chat_template.json"]
 
 
-def copy_side_files(src: Path | None, out: Path) -> None:
-    """Copy generation config and tokenizer files that exist in `src` to `out`."""
+def copy_side_files(src: Path | None, out: Path, only_missing: bool = False) -> None:
+    """Copy generation config and tokenizer files that exist in `src` to `out` (only those
+    `out` lacks, with only_missing)."""
     if src is None:
         return
     for name in TOKENIZER_FILES:
-        if (Path(src) / name).exists():
+        if (Path(src) / name).exists() and not (only_missing and (out / name).exists()):
             shutil.copyfile(Path(src) / name, out / name)
 
 

@@ -4,11 +4,13 @@ Streams tensor by tensor through the base checkpoint's shards (host memory near 
 adapted projection gets W + scaling * B @ A, computed in fp32 and cast to the output dtype; every
 other tensor is copied. config.json, generation_config.json and tokenizer files come along, so
 `transformers.AutoModelForCausalLM.from_pretrained(OUT)` gives the fine-tuned model's logits.
+`MergedWeights` is the same stream for the GGUF writer.
 
 The adapter is a PEFT adapter folder, a training checkpoint (RUN/checkpoints/step-N), or a run
 folder without a final adapter (an interrupted run: its latest checkpoint). The export is written
 into a hidden folder beside OUT and renamed into place at the end: a failed or interrupted export
-leaves OUT as it was, and OUT may never be, contain or lie inside the base or adapter folder.
+leaves OUT as it was, and OUT may never be, contain or lie inside the base or adapter folder (a
+subfolder of the adapter's folder is fine: a run's own merged/).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from ..utils import signals
 from ..utils.io import atomic_write_json
 from ..utils.paths import check_output_folder
 from .full import TOKENIZER_FILES, copy_side_files, set_config_dtype
+from .serving import write_generation_config
 from .shards import write_sharded
 
 
@@ -67,10 +70,13 @@ def _checkpoint_lora(ckpt: Path) -> LoRAConfig:
                             f"({type(e).__name__}: {e}); export another checkpoint") from None
 
 
-def _lora_deltas(cfg: LoRAConfig, path: Path) -> tuple[dict[str, tuple[torch.Tensor, ...]], float]:
-    """({base weight name: (lora_A [r, in], lora_B [out, r])}, scaling) from the weights file."""
+def read_lora_pairs(adapter: Path, log=print) -> tuple[
+        dict[str, tuple[torch.Tensor, torch.Tensor]], float, int]:
+    """{base weight name: (lora_A [r, in], lora_B [out, r])}, the scaling and the rank of
+    --adapter `adapter` (`adapter_source`: an adapter folder, a checkpoint or a run folder)."""
     from safetensors.torch import load_file
 
+    cfg, path = adapter_source(Path(adapter), log)
     scaling = lora_scaling(cfg.r, cfg.alpha, cfg.use_rslora)
     try:
         tensors = load_file(str(path))
@@ -83,7 +89,61 @@ def _lora_deltas(cfg: LoRAConfig, path: Path) -> tuple[dict[str, tuple[torch.Ten
     for k, (a, b) in pairs.items():
         if a is None or b is None:
             raise LeantuneError(f"{path}: {k} has only one of lora_A / lora_B")
-    return {k: (a, b) for k, (a, b) in pairs.items()}, scaling
+    return {k: (a, b) for k, (a, b) in pairs.items()}, scaling, cfg.r
+
+
+class MergedWeights:
+    """The base checkpoint's tensors with a LoRA adapter merged in, read one at a time.
+
+    Opening checks that every adapter layer fits a base weight (name and shapes), so a wrong
+    adapter fails before anything is written.
+    """
+
+    def __init__(self, model: str | os.PathLike, adapter_dir: str | os.PathLike | None = None,
+                 log=print):
+        from safetensors import safe_open
+
+        self.src = resolve_checkpoint(model)
+        self.config = ModelConfig.from_file(self.src / "config.json")  # validates model_type
+        self.adapter_dir = Path(adapter_dir) if adapter_dir else None
+        self.deltas, self.scaling, self.rank = (read_lora_pairs(self.adapter_dir, log)
+                                                if self.adapter_dir else ({}, 0.0, 0))
+        self.files: dict[str, Path] = {}  # tensor name -> its shard
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.st_dtypes: dict[str, str] = {}  # safetensors dtype strings ("BF16", "F32", ...)
+        for f in safetensors_files(self.src):
+            with safe_open(str(f), framework="pt", device="cpu") as sf:
+                for key in sf.keys():  # noqa: SIM118  (a safetensors handle, not a dict)
+                    sl = sf.get_slice(key)
+                    self.files[key] = f
+                    self.shapes[key] = tuple(sl.get_shape())
+                    self.st_dtypes[key] = sl.get_dtype()
+        for key, (a, b) in self.deltas.items():
+            if key not in self.shapes:
+                raise LeantuneError(f"{self.adapter_dir}: adapter layers not found in the base "
+                                    f"model (e.g. {key}); is it the adapter of another model?")
+            if a.dim() != 2 or b.dim() != 2 or (b.shape[0], a.shape[1]) != self.shapes[key] \
+                    or a.shape[0] != b.shape[1]:
+                raise LeantuneError(f"{self.adapter_dir}: {key}: lora_A {tuple(a.shape)} and "
+                                    f"lora_B {tuple(b.shape)} do not fit the base weight "
+                                    f"{self.shapes[key]}; is it the adapter of another model?")
+
+    def names(self) -> list[str]:
+        return list(self.shapes)
+
+    def tensor(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Tensor `key`, merged with its adapter pair (in fp32) if it has one, cast to `dtype`
+        (float tensors only; default: the base tensor's dtype)."""
+        from safetensors import safe_open
+
+        with safe_open(str(self.files[key]), framework="pt", device="cpu") as sf:
+            t = sf.get_tensor(key)
+        if key in self.deltas:
+            a, b = self.deltas[key]
+            return (t.float() + (b.float() @ a.float()) * self.scaling).to(dtype or t.dtype)
+        if dtype is not None and t.is_floating_point():
+            return t.to(dtype)
+        return t
 
 
 def export_merged(model: str | os.PathLike, adapter_dir: str | os.PathLike | None,
@@ -101,50 +161,23 @@ def export_merged(model: str | os.PathLike, adapter_dir: str | os.PathLike | Non
         max_shard_bytes: size above which a new shard is started.
         log: where a note on the adapter's source goes.
     """
-    from safetensors import safe_open
-
     src = resolve_checkpoint(model)
-    ModelConfig.from_file(src / "config.json")  # validates model_type
     out = Path(out_dir)
     adapter = Path(adapter_dir) if adapter_dir else None
-    # (a subfolder of the adapter's folder is fine: the run's own merged/, --merge-at-end)
     check_output_folder(out, {"base model": src, "adapter": adapter}, may_lie_inside=("adapter",))
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise LeantuneError(f"{out}: output folder is not empty; choose a new folder or pass "
                             "--overwrite")
-    deltas, scaling = _lora_deltas(*adapter_source(adapter, log)) if adapter else ({}, 0.0)
+    weights = MergedWeights(src, adapter, log)  # checks the adapter fits this base
     out_dtype = DTYPES[dtype] if dtype else None
-    entries, shapes = [], {}
-    for f in safetensors_files(src):
-        with safe_open(str(f), framework="pt", device="cpu") as sf:
-            for key in sf.keys():
-                sl = sf.get_slice(key)
-                shapes[key] = tuple(sl.get_shape())
-                is_float = sl.get_dtype().startswith(("F", "BF"))
-                itemsize = (out_dtype.itemsize if out_dtype is not None and is_float
-                            else _itemsize(sl.get_dtype()))
-                entries.append((key, _numel(shapes[key]) * itemsize,
-                                lambda f=f, key=key: _merged_tensor(f, key)))
-    # Every adapter layer must fit a base weight before anything is written.
-    for key, (a, b) in deltas.items():
-        if key not in shapes:
-            raise LeantuneError(f"{adapter_dir}: adapter layers not found in the base model "
-                                f"(e.g. {key}); is it the adapter of another model?")
-        if a.dim() != 2 or b.dim() != 2 or (b.shape[0], a.shape[1]) != shapes[key] \
-                or a.shape[0] != b.shape[1]:
-            raise LeantuneError(f"{adapter_dir}: {key}: lora_A {tuple(a.shape)} and lora_B "
-                                f"{tuple(b.shape)} do not fit the base weight {shapes[key]}; "
-                                "is it the adapter of another model?")
-
-    def _merged_tensor(f: Path, key: str) -> torch.Tensor:
-        with safe_open(str(f), framework="pt", device="cpu") as sf:
-            t = sf.get_tensor(key)
-        if key in deltas:
-            a, b = deltas[key]
-            return (t.float() + (b.float() @ a.float()) * scaling).to(out_dtype or t.dtype)
-        if out_dtype is not None and t.is_floating_point():
-            return t.to(out_dtype)
-        return t
+    entries = []
+    for key, shape in weights.shapes.items():
+        st_dtype = weights.st_dtypes[key]
+        is_float = st_dtype.startswith(("F", "BF"))
+        itemsize = (out_dtype.itemsize if out_dtype is not None and is_float
+                    else _itemsize(st_dtype))
+        entries.append((key, _numel(shape) * itemsize,
+                        lambda key=key: weights.tensor(key, out_dtype)))
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
@@ -156,6 +189,9 @@ def export_merged(model: str | os.PathLike, adapter_dir: str | os.PathLike | Non
             set_config_dtype(config, dtype)
         atomic_write_json(tmp / "config.json", config)
         copy_side_files(src, tmp)
+        if adapter is not None and adapter.is_dir():  # a base without tokenizer files: the
+            copy_side_files(adapter, tmp, only_missing=True)  # run saved them beside its adapter
+        write_generation_config(src, tmp)
         _publish(tmp, out)
     finally:
         if tmp.exists():

@@ -459,3 +459,30 @@ def test_train_help_lists_the_flags(capsys):
                  "--save-every", "--resume", "--seed", "--config", "--overwrite",
                  "--activations", "--max-memory-gib", "--no-fused-layers", "--attention", "--kernels"]:
         assert flag in text, flag
+
+
+def test_argparse_mistakes_are_one_line(capsys):
+    """A flag argparse refuses (a bad choice, an unknown or renamed flag) is one line, not the
+    whole usage, and says where to look."""
+    from leantune.cli import main
+
+    for argv, expect in ((["train", "--attention", "cudnn"],
+                          "argument --attention: invalid choice: 'cudnn'"),
+                         (["train", "--checkpointing", "none"],
+                          "--checkpointing is now --activations (its value none is now keep)"),
+                         (["export", "--model", "m"], "the following arguments are required")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and len(err.strip().splitlines()) == 1, err
+        assert expect in err and "see `leantune " in err and "--help`" in err
+
+
+def test_yaml_key_renamed(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("checkpointing: none\n")
+    from leantune.errors import LeantuneError
+    from leantune.train.config import load_yaml_config
+
+    with pytest.raises(LeantuneError, match="option 'checkpointing' is now 'activations'"):
+        load_yaml_config(str(cfg))

@@ -231,8 +231,22 @@ def cmd_doctor(args) -> int:
     return run_doctor()
 
 
+# Flags renamed since earlier releases: their old name gets a pointer to the new one.
+RENAMED_FLAGS = {"--checkpointing": "--activations (its value none is now keep)"}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: the message and where to look, not the whole usage."""
+
+    def error(self, message: str):
+        for old, new in RENAMED_FLAGS.items():
+            if old in message:
+                message += f"; {old} is now {new}"
+        self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="leantune", description="Fast, memory-lean LLM fine-tuning.")
+    p = _Parser(prog="leantune", description="Fast, memory-lean LLM fine-tuning.")
     p.add_argument("--version", action="version", version=f"leantune {__version__}")
     sub = p.add_subparsers(dest="command", metavar="{train,export,plot,inspect-data,doctor}")
     _train_parser(sub)

@@ -169,6 +169,9 @@ def load_yaml_config(path: str) -> dict:
                 raise LeantuneError(f"{p}: option {k!r} is not a switch; use {key[3:]!r}")
             out[key[3:]] = not value
             continue
+        if key == "checkpointing":  # renamed
+            raise LeantuneError(f"{p}: option {k!r} is now 'activations' (auto, keep, recompute "
+                                "or offload; none is now keep)")
         if key not in TrainConfig.keys():
             raise LeantuneError(f"{p}: unknown option {k!r}; options are the `leantune train` "
                                 "flags without the leading dashes")

@@ -65,8 +65,9 @@ class Sampler:
             self.generator = torch.Generator(device=device)
             self.generator.manual_seed(self.s.seed)
 
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [B, V] -> next tokens [B] (long), on the device, no host sync."""
+    def scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [B, V] through the processors (fp32): what greedy takes the argmax of and
+        sampling the softmax of."""
         s = self.s
         scores = logits.float()
         if self.seen is not None:
@@ -74,14 +75,21 @@ class Sampler:
             scores = torch.where(self.seen, torch.where(scores < 0, scores * p, scores / p),
                                  scores)
         if s.greedy:
+            return scores
+        scores = scores / s.temperature
+        if s.top_k:
+            kth = torch.topk(scores, min(s.top_k, scores.shape[-1])).values[:, -1:]
+            scores = scores.masked_fill(scores < kth, -math.inf)
+        if s.top_p < 1.0:
+            scores = top_p_filter(scores, s.top_p)
+        return scores
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [B, V] -> next tokens [B] (long), on the device, no host sync."""
+        scores = self.scores(logits)
+        if self.s.greedy:
             tokens = scores.argmax(-1)
         else:
-            scores = scores / s.temperature
-            if s.top_k:
-                kth = torch.topk(scores, min(s.top_k, scores.shape[-1])).values[:, -1:]
-                scores = scores.masked_fill(scores < kth, -math.inf)
-            if s.top_p < 1.0:
-                scores = top_p_filter(scores, s.top_p)
             probs = torch.softmax(scores, dim=-1)
             tokens = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
         if self.seen is not None:

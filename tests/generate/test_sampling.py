@@ -108,6 +108,10 @@ def test_greedy_repetition_penalty_equals_transformers(pair):
     (dict(top_p=0.0), "--top-p must be in (0, 1] (1: off), got 0.0"),
     (dict(top_p=1.5), "--top-p must be in (0, 1] (1: off), got 1.5"),
     (dict(repetition_penalty=0.0), "--repetition-penalty must be positive (1: off), got 0.0"),
+    (dict(top_k=5), "--top-k applies to sampling, and --temperature 0 (the default) is greedy; "
+                    "give a --temperature above 0, or drop --top-k"),
+    (dict(seed=1, repetition_penalty=1.2), "--seed applies to sampling, and --temperature 0 "
+     "(the default) is greedy; give a --temperature above 0, or drop --seed"),
 ])
 def test_meaningless_values_are_refused(kw, message):
     with pytest.raises(LeantuneError) as e:

@@ -41,6 +41,13 @@ class Sampling:
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
             raise LeantuneError(f"--repetition-penalty must be positive (1: off), got "
                                 f"{self.repetition_penalty}")
+        if self.greedy:
+            ignored = [flag for flag, on in (("--top-k", self.top_k), ("--top-p", self.top_p < 1),
+                                             ("--seed", self.seed is not None)) if on]
+            if ignored:
+                raise LeantuneError(f"{ignored[0]} applies to sampling, and --temperature 0 "
+                                    "(the default) is greedy; give a --temperature above 0, or "
+                                    f"drop {ignored[0]}")
         return self
 
     @property

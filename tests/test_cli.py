@@ -418,6 +418,12 @@ def test_the_demo_suggests_an_open_model_next(tmp_path, capsys, extra):
     assert f"{OPEN_MODEL} downloads without a licence to accept" in out
     assert "accept the licence on the model's page" in out
     assert "`hf auth login` (or set HF_TOKEN)" in out
+    # the fine-tuned model answers a held-out question, and the chat line names the run
+    lines = out.splitlines()
+    asked = lines.index("the fine-tuned model, asked a held-out question: Which city is the "
+                        "capital of Canada?")
+    assert lines[asked + 1].startswith("  ")
+    assert lines[asked + 2].startswith(f"chat with it: leantune chat --adapter {tmp_path / 'demo'}")
 
 
 # --- help ----------------------------------------------------------------------------------------

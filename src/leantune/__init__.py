@@ -5,6 +5,7 @@ Python API:
     leantune.apply_lora(model, leantune.LoRAConfig(r=16))  # freeze base, add adapters
     leantune.save_adapter(model, "out")                    # PEFT format
     leantune.export_merged("base", "out", "merged")        # HF safetensors checkpoint
+    leantune.generate(model, tokenizer, ["a prompt"])      # completions (leantune.generate)
 
 The names are imported on first use, so `import leantune` (and the `leantune` command before it
 starts working) does not wait for torch: `leantune --version` answers at once, and a Ctrl-C
@@ -22,6 +23,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "PackedBatch": ".batch",
     "export_merged": ".export",
+    "generate": ".generate",
     "LoRAConfig": ".lora",
     "apply_lora": ".lora",
     "load_adapter": ".lora",

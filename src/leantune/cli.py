@@ -1,4 +1,4 @@
-"""The `leantune` command line: train, export, plot, inspect-data, doctor.
+"""The `leantune` command line: train, export, generate, chat, plot, inspect-data, doctor.
 
 Every user error ends as one line on stderr and exit code 2, never a traceback. A run's log,
 progress and summary go to stdout. Ctrl-C and SIGTERM end the command with one line and exit
@@ -72,6 +72,10 @@ def _train_parser(sub) -> None:
     a("--eval-every", type=int, help="evaluate every N steps (default 50)")
     a("--save-every", type=int, help="checkpoint every N steps (default: only at the end; "
                                       "the last step is always checkpointed)")
+    a("--sample-prompts", help="a .jsonl of prompts (as `leantune generate --prompts`): the "
+                               "first 4 are completed before training, at each evaluation and "
+                               "at the end, into OUTPUT/samples.jsonl")
+    a("--sample-max-new-tokens", type=int, help="tokens per sample completion (default 64)")
     a("--resume", action="store_true", default=None,
       help="continue from the last checkpoint (with a larger --max-steps or --epochs: train on)")
     a("--overwrite", action="store_true", default=None, help="replace a previous run in --output")
@@ -165,6 +169,7 @@ def cmd_train(args) -> int:
         for line in vllm_lora_lines(cfg.model, out, cfg.lora_r):
             print(line)
     if demo:
+        _demo_answer(trainer, out)
         print(f"\nNext, with your own model and data ({OPEN_MODEL} downloads without a "
               f"licence to accept):\n"
               f"  leantune train --model {OPEN_MODEL} --data my_data.jsonl --output my-run\n"
@@ -172,6 +177,119 @@ def cmd_train(args) -> int:
               "Gated models (e.g. meta-llama/Llama-3.2-1B): accept the licence on the model's "
               "page at huggingface.co, then log in with `hf auth login` (or set HF_TOKEN).")
     return 0
+
+
+def _demo_answer(trainer, out: Path) -> None:
+    """The fine-tuned demo model's answer to a held-out question (a capital: what the tiny model
+    knows from pretraining), asked in the alpaca prompt it was trained on."""
+    from . import assets
+    from .generate import generate
+    from .generate.prompts import read_prompt_file
+
+    rows = read_prompt_file(assets.path("data/tiny_sft_eval.jsonl"))
+    row, prompt, _ = next((r for r in rows if "capital" in r[0]["instruction"]), rows[0])
+    answer = generate(trainer.model, trainer.tokenizer, prompt, max_new_tokens=32)[0].text
+    print(f"\nthe fine-tuned model, asked a held-out question: {row['instruction']}\n"
+          f"  {' '.join(answer.split()) or '(an empty answer)'}\n"
+          f"chat with it: leantune chat --adapter {out}   (it knows capitals: ask for one)")
+
+
+def cmd_generate(args) -> int:
+    import json
+
+    from .generate import generate
+    from .generate.load import locate
+    from .generate.prompts import prompt_ids, read_prompt_file
+    from .utils.io import atomic_path
+
+    kw = _sampling_kw(args)
+    if args.prompts and args.chat_template is not None:
+        raise LeantuneError("--chat-template / --no-chat-template apply to --prompt; with "
+                            "--prompts each row says it: 'messages' rows use the chat template")
+    out = Path(args.output) if args.output else None
+    if out is not None and out.exists() and not args.overwrite:
+        raise LeantuneError(f"{out}: output file exists; choose another --output or pass "
+                            "--overwrite")
+    if out is not None and args.prompts and out.resolve() == Path(args.prompts).resolve():
+        raise LeantuneError(f"{out}: --output is the --prompts file; choose another file")
+    rows = (read_prompt_file(args.prompts) if args.prompts
+            else [({"prompt": args.prompt}, args.prompt, "--prompt")])
+    src = locate(args.model, args.adapter, args.device, args.dtype, log=_note)
+    tokenizer = src.tokenizer
+    if not args.prompts and (args.chat_template or (args.chat_template is None
+                                                    and tokenizer.chat_template)):
+        rows = [(rows[0][0], [{"role": "user", "content": args.prompt}], "--prompt")]
+    ids = [prompt_ids(tokenizer, prompt, where) for _, prompt, where in rows]  # before weights
+    done = generate(src.load(), tokenizer, ids, batch_size=args.batch_size,
+                    cuda_graphs=args.cuda_graphs, log=_note, **kw)
+    if out is None and not args.prompts:
+        print(done[0].text)
+        return 0
+    lines = "".join(json.dumps({**row, "completion": g.text, "tokens": len(g.token_ids),
+                                "stopped": g.stopped}, ensure_ascii=False) + "\n"
+                    for (row, _, _), g in zip(rows, done))
+    if out is None:
+        sys.stdout.write(lines)
+        return 0
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(out) as tmp:
+        tmp.write_text(lines)
+    _note(f"{len(done)} completions written to {out}")
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from .generate.chat import chat
+    from .generate.load import locate
+
+    kw = _sampling_kw(args)
+    src = locate(args.model, args.adapter, args.device, args.dtype, log=_note)
+    chat(src.load(), src.tokenizer, system=args.system, cuda_graphs=args.cuda_graphs, log=_note,
+         **kw)
+    return 0
+
+
+def _note(line: str) -> None:
+    """generate and chat: notes go to stderr (stdout holds the completions)."""
+    print(line, file=sys.stderr)
+
+
+def _sampling_kw(args) -> dict:
+    """The sampling flags of generate and chat, checked before the model loads."""
+    from .generate import Sampling
+
+    if args.max_new_tokens < 1:
+        raise LeantuneError(f"--max-new-tokens must be a positive integer, got "
+                            f"{args.max_new_tokens}")
+    if getattr(args, "batch_size", 1) < 1:
+        raise LeantuneError(f"--batch-size must be a positive integer, got {args.batch_size}")
+    Sampling(args.temperature, args.top_k, args.top_p, args.repetition_penalty, args.seed).check()
+    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
+                seed=args.seed, stop=getattr(args, "stop", None) or ())
+
+
+def _generation_flags(p, stop: bool = True) -> None:
+    """--model/--adapter, sampling and device flags of generate and chat (`stop`: --stop)."""
+    a = p.add_argument
+    a("--model", help="checkpoint folder or hub id (default: the base named by --adapter)")
+    a("--adapter", help="LoRA adapter (attached unmerged): a folder written by `leantune "
+                        "train` or PEFT, a run folder or one checkpoint (RUN/checkpoints/step-N)")
+    a("--max-new-tokens", type=int, default=256, help="most tokens per completion (default 256)")
+    a("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sample")
+    a("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: off)")
+    a("--top-p", type=float, default=1.0,
+      help="sample among the most likely tokens whose probabilities sum to p (1: off)")
+    a("--repetition-penalty", type=float, default=1.0,
+      help="> 1 makes tokens already in the text less likely (1: off)")
+    a("--seed", type=int, help="seed of the sampling (same seed, same text)")
+    if stop:
+        a("--stop", action="append", metavar="STR",
+          help="end a completion at this text (repeat for more); EOS ids always end it")
+    a("--device", help="cuda, cuda:1, cpu (default: cuda if available)")
+    a("--dtype", choices=["bfloat16", "float16", "float32"], help="default: by device")
+    a("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+      help="run each decode step eagerly (CUDA graphs replay it by default on CUDA)")
 
 
 def cmd_export(args) -> int:
@@ -248,7 +366,8 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="leantune", description="Fast, memory-lean LLM fine-tuning.")
     p.add_argument("--version", action="version", version=f"leantune {__version__}")
-    sub = p.add_subparsers(dest="command", metavar="{train,export,plot,inspect-data,doctor}")
+    sub = p.add_subparsers(dest="command",
+                           metavar="{train,export,generate,chat,plot,inspect-data,doctor}")
     _train_parser(sub)
     e = sub.add_parser("export", help="merge a LoRA adapter into its base: HF safetensors or GGUF")
     e.add_argument("--model", required=True, help="base checkpoint folder or hub id")
@@ -266,6 +385,30 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output dtype (default: the base's)")
     e.add_argument("--overwrite", action="store_true",
                    help="replace a previous export in --output (other files there are kept)")
+    gp = sub.add_parser("generate", help="complete prompts with a model (+ adapter)",
+                        description="Complete --prompt, or each row of --prompts, with --model "
+                                    "and --adapter (unmerged), greedily by default.")
+    src = gp.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="one prompt: printed completion (through the chat "
+                                      "template when the tokenizer has one)")
+    src.add_argument("--prompts", help="a .jsonl (.json, .csv) of rows {\"prompt\": text}, "
+                                       "{\"messages\": [...]} (chat template) or alpaca "
+                                       "{\"instruction\", \"input\"}: JSONL out, each row "
+                                       "with completion, tokens, stopped")
+    gp.add_argument("--output", help="write the JSONL rows to this file (default: stdout)")
+    gp.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    gp.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
+                    help="--prompt as a user turn through the chat template (default: when the "
+                         "tokenizer has one); --no-chat-template: the text as it is")
+    gp.add_argument("--batch-size", type=int, default=16, help="prompts decoded together "
+                                                              "(default 16)")
+    _generation_flags(gp)
+    ch = sub.add_parser("chat", help="chat with a model (+ adapter) in the terminal",
+                        description="An interactive chat through the tokenizer's chat template, "
+                                    "replies streamed as they are generated. /reset starts "
+                                    "over, /exit or Ctrl-D ends.")
+    ch.add_argument("--system", help="a system message that starts the conversation")
+    _generation_flags(ch, stop=False)
     pl = sub.add_parser("plot", help="draw a run's train and eval loss and lr into loss.png")
     pl.add_argument("run", help="output folder of a `leantune train` run (or its metrics.jsonl)")
     pl.add_argument("--output", help="PNG file to write (default RUN/loss.png)")
@@ -295,8 +438,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.command is None:
                 build_parser().print_help()
                 return 0
-            handler = {"train": cmd_train, "export": cmd_export, "plot": cmd_plot,
-                       "inspect-data": cmd_inspect_data, "doctor": cmd_doctor}
+            handler = {"train": cmd_train, "export": cmd_export, "generate": cmd_generate,
+                       "chat": cmd_chat, "plot": cmd_plot, "inspect-data": cmd_inspect_data,
+                       "doctor": cmd_doctor}
             return handler[args.command](args)
         except LeantuneError as e:
             if e.exit_code == 2 and signals.received():  # a library turned Ctrl-C into an error

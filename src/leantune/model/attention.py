@@ -9,6 +9,9 @@ it; nothing here reads device memory back to the host. Paths:
 - "causal": every row is one document and no layer has a window: plain causal SDPA.
 - "mask": elsewhere (CPU, fp32 on CUDA): SDPA with a block-diagonal causal boolean mask built
   from the host-side segment lengths. Correct on any device; O(T^2) memory, so the fallback.
+- "cache": generation (leantune.generate): each layer writes its new keys/values into the KV
+  cache the metadata carries and attends over the whole cache through a mask built on the
+  device (`cache_attention`), so a decode step has static shapes and reads nothing back.
 Sliding-window layers (Mistral) attend to the previous `window` tokens including themselves.
 
 The hand-written layer backward (leantune.engine) has attention backends of its own that keep
@@ -41,13 +44,17 @@ class AttentionMeta:
     cu_seqlens: [segments + 1] int32 on the device (varlen), max_seqlen: a host int.
     masks: window (None = full) -> bool mask [B, 1, T, T] (mask path).
     one_document_rows: every row holds one document (then causal attention over whole rows is
-        exact for full-window layers, and the fastest kernels apply)."""
+        exact for full-window layers, and the fastest kernels apply).
+    kv_cache: "cache" path: the KV cache (leantune.generate.cache.KVCache); a layer calls
+        kv_cache.update(layer_idx, k, v) with its new k/v [B, T, Hk, D] and attends over the
+        [B, S, Hk, D] buffers it returns, masks[window] being [B, 1, T, S]."""
 
     path: str
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int = 0
     masks: dict = field(default_factory=dict)
     one_document_rows: bool = False
+    kv_cache: object | None = None
 
     @classmethod
     def build(cls, batch_shape: tuple[int, int], device: torch.device, seq_lens: list[int] | None,
@@ -117,10 +124,28 @@ def _sdpa(q, k, v, scale, **kw):
     return out.transpose(1, 2)
 
 
+def cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """q: [B, T, Hq, D] over cached k/v [B, S, Hk, D] where the bool `mask` [B, 1, T, S] allows
+    -> [B, T, Hq, D]. GQA without repeating k/v: the Hq / Hk query heads that share a k/v head
+    (q head h reads k/v head h // rep) become rep * T queries of that head, so SDPA sees Hk heads
+    and any of its kernels (the memory-efficient one with a mask on CUDA) applies."""
+    B, T, Hq, D = q.shape
+    Hk = k.shape[2]
+    rep = Hq // Hk
+    q = q.view(B, T, Hk, rep, D).permute(0, 2, 3, 1, 4).reshape(B, Hk, rep * T, D)
+    out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=mask.repeat(1, 1, rep, 1), scale=scale)
+    return out.view(B, Hk, rep, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta,
               window: int | None, scale: float) -> torch.Tensor:
-    """Causal attention within documents. q: [B, T, Hq, D], k/v: [B, T, Hk, D] -> [B, T, Hq, D]."""
+    """Causal attention within documents. q: [B, T, Hq, D], k/v: [B, T, Hk, D] -> [B, T, Hq, D]
+    (the "cache" path: k/v are the cache's [B, S, Hk, D])."""
     B, T, Hq, D = q.shape
+    if meta.path == "cache":
+        return cache_attention(q, k, v, meta.masks[window], scale)
     if meta.path == "causal" or (meta.path == "varlen" and meta.one_document_rows
                                  and window is None):
         return _sdpa(q, k, v, scale, is_causal=True)

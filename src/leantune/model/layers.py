@@ -53,6 +53,7 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.window = cfg.window_for_layer(layer_idx)
         self.scale = cfg.head_dim ** -0.5
+        self.layer_idx = layer_idx  # which buffers of a KV cache are this layer's
 
     def forward(self, x, cos, sin, meta: AttentionMeta):
         """x: [B, T, H], cos/sin: [B, T, D] -> [B, T, H]."""
@@ -63,6 +64,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = kernels.apply_rope(q, k, cos, sin)
+        if meta.kv_cache is not None:  # generation: keep the new k/v, attend over all cached
+            k, v = meta.kv_cache.update(self.layer_idx, k, v)
         out = attention(q, k, v, meta, self.window, self.scale)
         return self.o_proj(out.reshape(B, T, -1))
 

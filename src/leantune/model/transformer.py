@@ -108,21 +108,24 @@ class CausalLM(nn.Module):
         return self._rope_cache[device]
 
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                      batch: PackedBatch | None = None) -> torch.Tensor:
-        """input_ids [B, T] -> final-normed hidden states [B, T, H]."""
+                      batch: PackedBatch | None = None,
+                      meta: AttentionMeta | None = None) -> torch.Tensor:
+        """input_ids [B, T] -> final-normed hidden states [B, T, H]. `meta`: attention metadata
+        built by the caller (generation's KV cache); by default built here for the batch."""
         B, T = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
         x = embedding_lookup(input_ids, self.model.embed_tokens.weight)  # (table maybe on host)
         inv, scale = self._rope(x.device)
         cos, sin = rope_cos_sin(position_ids, inv, scale, x.dtype)  # once per batch
-        meta = AttentionMeta.build(
-            (B, T), x.device,
-            seq_lens=batch.seq_lens if batch is not None else None,
-            cu_seqlens=batch.cu_seqlens if batch is not None else None,
-            max_seqlen=batch.max_seqlen if batch is not None else T,
-            windows={layer.self_attn.window for layer in self.layers}, dtype=x.dtype,
-            path=self.attention_path)
+        if meta is None:
+            meta = AttentionMeta.build(
+                (B, T), x.device,
+                seq_lens=batch.seq_lens if batch is not None else None,
+                cu_seqlens=batch.cu_seqlens if batch is not None else None,
+                max_seqlen=batch.max_seqlen if batch is not None else T,
+                windows={layer.self_attn.window for layer in self.layers}, dtype=x.dtype,
+                path=self.attention_path)
         for layer in self.layers:
             x = layer(x, cos, sin, meta)
         return self.model.norm(x)
@@ -151,6 +154,15 @@ class CausalLM(nn.Module):
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
                                    ignore_index=IGNORE_INDEX)
         return CausalLMOutput(logits=logits, loss=loss)
+
+    def forward_cached(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                       meta: AttentionMeta) -> torch.Tensor:
+        """Generation: the logits [B, V] of each row's last token, for new tokens input_ids
+        [B, T] at position_ids [B, T]. `meta` (path "cache") carries the KV cache: every layer
+        writes the new keys/values into it and attends over what it holds
+        (leantune.generate: T = the prompts at once, then 1 token per step)."""
+        h = self.hidden_states(input_ids, position_ids, meta=meta)
+        return F.linear(h[:, -1], self.output_weight())
 
     def loss_sum(self, batch: PackedBatch) -> torch.Tensor:
         """Summed (fp32) next-token loss over the batch's pre-shifted labels (through forward)."""

@@ -42,6 +42,8 @@ class TrainConfig:
     eval_every: int = 50
     save_every: int | None = None  # None = only at the end
     keep_checkpoints: int = 2
+    sample_prompts: str | None = None  # prompts completed at each evaluation -> samples.jsonl
+    sample_max_new_tokens: int = 64
     log_every: int = 1
     report_to: str = "none"  # none | tensorboard | wandb, or a comma list
     resume: bool = False
@@ -89,6 +91,9 @@ class TrainConfig:
             if getattr(self, name) <= 0:
                 raise LeantuneError(f"{_flag(name)} must be a positive integer, got "
                                     f"{getattr(self, name)}")
+        if self.sample_max_new_tokens <= 0:
+            raise LeantuneError(f"--sample-max-new-tokens must be a positive integer, got "
+                                f"{self.sample_max_new_tokens}")
         if self.log_every <= 0:
             raise LeantuneError(f"--log-every must be a positive integer, got {self.log_every}")
         for name in ("eval_every", "warmup_steps", "keep_checkpoints"):

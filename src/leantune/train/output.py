@@ -18,6 +18,7 @@ from ..errors import LeantuneError
 from ..export.full import TOKENIZER_FILES
 from ..utils import signals
 from .checkpoint import CKPT_DIR, latest_checkpoint, refuse_pickled
+from .samples import SAMPLES
 
 FULL_INDEX = "model.safetensors.index.json"
 RUN_CONFIG = "run_config.json"  # the run's settings (Trainer.run_settings)
@@ -27,9 +28,10 @@ SET_ASIDE = ".leantune-previous-run"
 
 
 def run_files(output: Path) -> list[Path]:
-    """The files and folders of a run in `output` (what --overwrite replaces): its markers, the
-    tokenizer files, and a full fine-tune's config and shards. Other files are left alone."""
-    names = [*RUN_MARKERS, *TOKENIZER_FILES]
+    """The files and folders of a run in `output` (what --overwrite replaces): its markers,
+    samples.jsonl, the tokenizer files, and a full fine-tune's config and shards. Other files
+    are left alone."""
+    names = [*RUN_MARKERS, SAMPLES, *TOKENIZER_FILES]
     if (output / FULL_INDEX).exists():
         names.append("config.json")
     found = [output / n for n in names if (output / n).exists()]

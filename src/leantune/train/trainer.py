@@ -53,6 +53,7 @@ from .output import FULL_INDEX, RUN_CONFIG, RunFolder
 from .plot import plot_after_training
 from .preflight import check_weights, locate_model
 from .reporting import check_report_to, open_reporting
+from .samples import SAMPLES, SampleWriter
 from .schedule import lr_factor
 
 
@@ -108,6 +109,8 @@ class Trainer:
 
         self.tokenizer = (tokenizer if tokenizer is not None or train_data is not None
                           else load_tokenizer(model_dir))
+        self.samples = (SampleWriter(cfg.sample_prompts, self.tokenizer, self.output,
+                                     cfg.sample_max_new_tokens) if cfg.sample_prompts else None)
         vocab = (model.config if model is not None
                  else ModelConfig.from_file(model_dir / "config.json")).vocab_size
         self._setup_data(train_data, eval_data, vocab)
@@ -343,6 +346,12 @@ class Trainer:
         self.model.train()
         return (total / max(n, 1)).item()
 
+    def write_samples(self, progress) -> None:
+        """--sample-prompts: complete them with the model as it is now (samples.py)."""
+        if self.samples is not None:
+            first = self.samples.write(self.model, self.step)
+            progress.write(f"step {self.step}: sample: {' '.join(first.split())[:100]!r}")
+
     # --- the loop ------------------------------------------------------------------------------
     def run_settings(self) -> dict:
         """The settings this run trains with: its config and the engine options in effect
@@ -368,6 +377,7 @@ class Trainer:
         atomic_write_json(self.output / RUN_CONFIG, self.run_settings())
         if cfg.resume:  # drop records a crash left after the checkpoint: they are redone
             drop_metrics_after(self.output / "metrics.jsonl", self.step)
+            drop_metrics_after(self.output / SAMPLES, self.step)
         metrics = open_reporting(cfg, start_step=self.step)  # metrics.jsonl (+ --report-to)
         progress = Progress(self.total_steps, initial=self.step, bar=cfg.progress)
         last_loss, eval_loss = None, self.first_eval_loss
@@ -381,6 +391,8 @@ class Trainer:
                 if self.first_eval_loss is not None:
                     metrics.write({"step": self.step, "eval_loss": self.first_eval_loss})
                     progress.write(f"eval loss before training: {self.first_eval_loss:.4f}")
+            if self.step == 0:
+                self.write_samples(progress)
             batches = (batch for _, _, batch in self.loader.iter_batches())
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
@@ -419,6 +431,7 @@ class Trainer:
                     if eval_loss is not None:
                         (record := record or {"step": self.step})["eval_loss"] = eval_loss
                         progress.write(f"step {self.step}: eval loss {eval_loss:.4f}")
+                    self.write_samples(progress)
                 if record:
                     metrics.write(record)
                 if (cfg.save_every and self.step % cfg.save_every == 0) \
@@ -428,6 +441,7 @@ class Trainer:
             if eval_loss is not None:
                 metrics.write({"step": self.step, "eval_loss": eval_loss})
                 progress.write(f"step {self.step}: eval loss {eval_loss:.4f}")
+            self.write_samples(progress)
             skipped = self.watch.read(self.step)[2]
             if skipped:
                 progress.write(f"note: the fp16 loss scaler skipped {skipped} of "

@@ -1,0 +1,67 @@
+"""The static KV cache of one generation batch.
+
+Rows are left-padded, so that every row's next token goes to the same slot: with P the longest
+prompt, row b's prompt of n_b tokens fills slots pad[b] = P - n_b .. P - 1, and decode step i
+writes slot P + i in every row. Slot j of row b holds position j - pad[b] (every prompt starts at
+position 0). A query at slot i attends to the slots j with pad[b] <= j <= i (and i - j < window
+on sliding-window layers); padding is never attended to (a padding query attends to itself
+alone, which keeps its values finite).
+
+The buffers are allocated once for B rows and S slots and never change shape; the slot being
+written is a device tensor (`start`) that the caller sets before each forward. So a decode step
+has static shapes and reads nothing back to the host: CUDA graphs can capture and replay it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..model.attention import AttentionMeta
+from ..model.config import ModelConfig
+
+
+class KVCache:
+    """k[l], v[l]: [B, S, Hk, D] per layer; pad: [B] (long) padding slots before each prompt.
+
+    The buffers start zeroed and only ever hold computed values: a masked slot gets weight 0,
+    and 0 * NaN (uninitialised memory) would still be NaN."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, slots: int, dtype: torch.dtype,
+                 device: torch.device):
+        shape = (batch, slots, cfg.num_key_value_heads, cfg.head_dim)
+        layers = range(cfg.num_hidden_layers)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in layers]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in layers]
+        self.windows = {cfg.window_for_layer(i) for i in layers}
+        self.pad = torch.zeros(batch, dtype=torch.long, device=device)
+        self.start = torch.zeros(1, dtype=torch.long, device=device)  # first slot written next
+        self.slot_ids = torch.arange(slots, device=device)
+        self._write = self.start  # the slots of the tokens of the current forward, [T]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(rows, slots)."""
+        return self.k[0].shape[0], self.k[0].shape[1]
+
+    def meta(self, tokens: int) -> tuple[torch.Tensor, AttentionMeta]:
+        """(position ids [B, T], attention metadata) for a forward of T = `tokens` new tokens
+        per row at slots start .. start + T - 1. Device ops only."""
+        q = self.start + torch.arange(tokens, device=self.start.device)  # [T]
+        kv = self.slot_ids
+        seen = (kv[None, None, :] >= self.pad[:, None, None]) & (kv[None, None, :] <= q[None, :, None])
+        own = (kv[None, :] == q[:, None])[None]  # [1, T, S]
+        masks = {}
+        for w in self.windows:
+            m = seen if w is None else seen & (q[:, None] - kv[None, :] < w)[None]
+            masks[w] = (m | own)[:, None]  # [B, 1, T, S]
+        self._write = q
+        positions = (q[None, :] - self.pad[:, None]).clamp(min=0)
+        return positions, AttentionMeta("cache", masks=masks, kv_cache=self)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write layer `layer`'s new k/v [B, T, Hk, D] at the current slots; returns its whole
+        buffers [B, S, Hk, D] to attend over."""
+        self.k[layer].index_copy_(1, self._write, k)
+        self.v[layer].index_copy_(1, self._write, v)
+        return self.k[layer], self.v[layer]

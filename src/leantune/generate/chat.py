@@ -1,0 +1,87 @@
+"""`leantune chat`: an interactive chat in the terminal.
+
+Each user line joins the conversation, which goes through the tokenizer's chat template (the
+whole history every turn: multi-turn); the reply is printed token by token as it is generated
+and joins the history. `/reset` starts a new conversation (keeping --system), `/exit` or end of
+input (Ctrl-D) ends the chat; Ctrl-C ends it too, the CLI saying so in one line.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from ..errors import LeantuneError
+from .text import generate
+
+HELP = "/reset starts over, /exit (or Ctrl-D) ends"
+
+
+class TextStreamer:
+    """Writes a completion as its tokens arrive: decodes the ids so far and writes what is new,
+    holding back a character whose bytes are not all there yet (byte-level tokens)."""
+
+    def __init__(self, tokenizer, out=None):
+        self.tokenizer = tokenizer
+        self.out = out or sys.stdout
+        self.ids: list[int] = []
+        self.shown = 0  # characters written
+
+    def put(self, ids: list[int]) -> None:
+        self.ids += ids
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):
+            self._write(text)
+
+    def end(self) -> None:
+        self._write(self.tokenizer.decode(self.ids, skip_special_tokens=True))
+        self.out.write("\n")
+        self.out.flush()
+        self.ids, self.shown = [], 0
+
+    def _write(self, text: str) -> None:
+        self.out.write(text[self.shown:])
+        self.out.flush()
+        self.shown = len(text)
+
+
+def chat(model, tokenizer, *, system: str | None = None, read=None, out=None,
+         **generate_kw) -> None:
+    """Run the chat until /exit or end of input. `read(prompt)` (default `input`) returns the
+    user's next line, raising EOFError at the end; `generate_kw` goes to `generate`
+    (max_new_tokens, sampling)."""
+    read, out = read or input, out or sys.stdout
+    if not getattr(tokenizer, "chat_template", None):
+        raise LeantuneError("the tokenizer has no chat template, which `leantune chat` needs; "
+                            "use an instruct/chat model, or `leantune generate --prompt` for "
+                            "plain text")
+    start = [{"role": "system", "content": system}] if system else []
+    messages = list(start)
+    out.write(f"chat: {HELP}\n")
+    while True:
+        try:
+            line = read("> ")
+        except EOFError:
+            out.write("\n")
+            return
+        except KeyboardInterrupt:
+            out.write("\n")
+            raise
+        command = line.strip()
+        if not command:
+            continue
+        if command == "/exit":
+            return
+        if command == "/reset":
+            messages = list(start)
+            out.write("(a new conversation)\n")
+            continue
+        messages.append({"role": "user", "content": line})
+        try:
+            reply = generate(model, tokenizer, [messages], streamer=TextStreamer(tokenizer, out),
+                             **generate_kw)[0]
+        except KeyboardInterrupt:
+            out.write("\n")
+            raise
+        messages.append({"role": "assistant", "content": reply.text})
+        if reply.stopped == "length":
+            out.write("(the reply reached --max-new-tokens and was cut)\n")

@@ -1,0 +1,202 @@
+"""The decode loop: the prompts in one forward pass (prefill), then one token per step.
+
+    prompts (token ids, any lengths) -> left-padded [B, P] -> prefill: fills the KV cache,
+    logits of each prompt's last token -> sample -> step: the B new tokens -> logits -> ...
+
+Each row stops at the first of its EOS ids, when its text holds a stop string (`stop_check`),
+or after max_new_tokens; the batch runs until every row has stopped. Finished rows keep being
+computed (the shapes stay static) and what they produce is dropped.
+
+Host syncs: the new tokens stay on the device; the host reads them back every `check_every`
+steps to see which rows have stopped. On CUDA that is every 8 steps (a read-back waits for the
+GPU, so the host cannot queue the next steps meanwhile; at most 7 steps are wasted after the last
+row stops), every step on the CPU and when streaming.
+
+CUDA graphs: on CUDA the decode step (the model's forward over the cache, 1 token a row) is
+captured once per (rows, slots) and replayed; the sampling stays eager. A capture that fails
+falls back to eager steps, with one line said. The graph and its cache are kept for the next
+call with the same shapes (slots are rounded up to a multiple of 256 so that they repeat).
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .cache import KVCache
+from .sampling import Sampler, Sampling
+
+EOS, STOP_STRING, LENGTH = "eos", "stop string", "length"
+GRAPH_SLOTS = 256  # with CUDA graphs, cache slots are a multiple of this (graphs get reused)
+CUDA_CHECK_EVERY = 8
+
+
+@dataclass
+class Decoded:
+    """One row's result: the generated ids (ending with the EOS id when stopped by it) and why
+    it stopped: "eos", "stop string" or "length"."""
+
+    token_ids: list[int]
+    stopped: str
+
+
+class _Row:
+    """A row's generated ids as the host has read them, and whether it has stopped."""
+
+    def __init__(self):
+        self.ids: list[int] = []
+        self.stopped: str | None = None
+
+    def extend(self, new: list[int], eos: set[int], stop_check) -> list[int]:
+        """Take the newly read ids up to the row's end; returns those it keeps, EOS left out."""
+        kept = []
+        for t in new:
+            if self.stopped:
+                break
+            self.ids.append(t)
+            if t in eos:
+                self.stopped = EOS
+                break
+            kept.append(t)
+            if stop_check is not None and stop_check(self.ids):
+                self.stopped = STOP_STRING
+        return kept
+
+
+@torch.no_grad()
+def decode(model, prompts: list[list[int]], max_new_tokens: int,
+           sampling: Sampling | None = None, eos_ids=(), stop_check: Callable | None = None,
+           cuda_graphs: bool = True, check_every: int | None = None,
+           on_tokens: Callable[[list[list[int]]], None] | None = None,
+           log: Callable[[str], None] | None = None) -> list[Decoded]:
+    """Generate up to `max_new_tokens` tokens after each prompt (token id lists) in one batch.
+
+    Args:
+        model: a CausalLM (any mode; it runs in eval mode here and gets its mode back).
+        sampling: greedy by default (`Sampling`).
+        eos_ids: ids that end a row (the EOS is kept as its last token).
+        stop_check: called with a row's ids after each new token; True stops the row (stop
+            strings).
+        cuda_graphs: capture the decode step in a CUDA graph (CUDA only).
+        check_every: steps between reads of the new tokens to the host (module docstring).
+        on_tokens: called at each read with each row's newly kept tokens (streaming).
+        log: where a note goes (the CUDA graph fallback); default stderr.
+    """
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    device = model.output_weight().device
+    graphs = cuda_graphs and device.type == "cuda"
+    B, P = len(prompts), max(len(p) for p in prompts)
+    slots = P + max_new_tokens
+    if graphs:
+        slots = -(-slots // GRAPH_SLOTS) * GRAPH_SLOTS
+    was_training = model.training
+    model.eval()
+    try:
+        step = _step_for(model, B, slots, device, graphs, log)
+        cache = step.cache
+        ids = torch.zeros(B, P, dtype=torch.long)
+        for row, p in enumerate(prompts):
+            ids[row, P - len(p):] = torch.tensor(p)
+        cache.pad.copy_(torch.tensor([P - len(p) for p in prompts]))
+        cache.start.fill_(0)
+        positions, meta = cache.meta(P)
+        logits = model.forward_cached(ids.to(device), positions, meta)  # prefill
+        sampler = Sampler(sampling or Sampling(), prompts, logits.shape[-1], device)
+        out = torch.empty(B, max_new_tokens, dtype=torch.long, device=device)
+        rows = [_Row() for _ in prompts]
+        eos = set(int(i) for i in eos_ids)
+        every = check_every or (1 if device.type != "cuda" or on_tokens else CUDA_CHECK_EVERY)
+        read = 0
+        for i in range(max_new_tokens):
+            tokens = sampler(logits)
+            out[:, i] = tokens
+            last = i + 1 == max_new_tokens
+            if last or (i + 1) % every == 0:
+                new = out[:, read:i + 1].tolist()  # the host sync
+                read = i + 1
+                kept = [row.extend(n, eos, stop_check) for row, n in zip(rows, new)]
+                if on_tokens is not None:
+                    on_tokens(kept)
+                if all(row.stopped for row in rows):
+                    break
+            if not last:
+                cache.start.fill_(P + i)  # the slot of the token just chosen
+                logits = step(model, tokens)
+    finally:
+        model.train(was_training)
+    return [Decoded(row.ids, row.stopped or LENGTH) for row in rows]
+
+
+class DecodeStep:
+    """One decode step over a KV cache: tokens [B] (at slot cache.start) -> logits [B, V];
+    eager, or as a CUDA graph captured on the first call and replayed after. (It holds no
+    reference to the model, which keys the graphs kept for reuse.)"""
+
+    def __init__(self, model, batch: int, slots: int, device: torch.device, graph: bool,
+                 log=None):
+        dtype = model.model.embed_tokens.weight.dtype
+        self.cache = KVCache(model.config, batch, slots, dtype, device)
+        self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)  # static input
+        self.want_graph = graph
+        self.graph = None
+        self.logits = None  # the graph's static output
+        self.log = log or (lambda msg: print(msg, file=sys.stderr))
+
+    def __call__(self, model, tokens: torch.Tensor) -> torch.Tensor:
+        self.tokens.copy_(tokens[:, None])
+        if self.want_graph and self.graph is None:
+            self.want_graph = False
+            try:
+                self._capture(model)
+            except Exception as e:  # an op that cannot be captured: stay eager
+                self.graph = None
+                self.log(f"leantune: note: CUDA graph capture of the decode step failed "
+                         f"({type(e).__name__}: {str(e)[:120]}); decoding without it (slower)")
+        if self.graph is not None:
+            self.graph.replay()
+            return self.logits
+        return self._forward(model)
+
+    def _forward(self, model) -> torch.Tensor:
+        positions, meta = self.cache.meta(1)
+        return model.forward_cached(self.tokens, positions, meta)
+
+    def _capture(self, model) -> None:
+        """Warm up on a side stream (Triton compiles, cuBLAS picks its kernels; the step's
+        writes to the cache are the real ones), then capture one step."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._forward(model)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.logits = self._forward(model)
+        self.graph = graph
+
+
+# the last graphed step of each model, kept for its next call with the same shapes
+_GRAPHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _step_for(model, batch: int, slots: int, device, graph: bool, log) -> DecodeStep:
+    """A DecodeStep for these shapes: with CUDA graphs the model's previous one when its shapes
+    and the model's weights (the graph reads them by address) are the same."""
+    if not graph:
+        return DecodeStep(model, batch, slots, device, False, log)
+    key = (batch, slots, device, tuple(p.data_ptr() for p in model.parameters()))
+    kept = _GRAPHED.get(model)
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    _GRAPHED.pop(model, None)  # free the old graph and cache first
+    step = DecodeStep(model, batch, slots, device, True, log)
+    _GRAPHED[model] = (key, step)
+    return step

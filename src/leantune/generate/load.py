@@ -1,0 +1,84 @@
+"""A model to generate with, from the command line's --model and --adapter: the base checkpoint,
+the adapter attached unmerged (a PEFT adapter folder, a run folder or one training checkpoint),
+and the tokenizer. `locate` checks everything and loads the tokenizer (so prompts can be checked
+too) before `Located.load` reads the weights."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import LeantuneError
+
+
+def adapter_base(adapter: Path) -> str:
+    """The base model named by an adapter: adapter_config.json's base_model_name_or_path, or
+    the --model of the run a run folder or checkpoint was written by."""
+    for config, key in ((adapter / "adapter_config.json", "base_model_name_or_path"),
+                        (adapter / "run_config.json", "model"), (adapter / "state.json", "model")):
+        if config.exists():
+            try:
+                d = json.loads(config.read_text())
+                base = d.get(key) if key != "model" else d["config"].get("model")
+            except (ValueError, KeyError, AttributeError, TypeError):
+                raise LeantuneError(f"{config}: unreadable; give the base model with --model"
+                                    ) from None
+            if base:
+                return str(base)
+            raise LeantuneError(f"{config}: names no base model ({key}); give it with --model")
+    raise LeantuneError(f"{adapter}: not an adapter folder (no adapter_config.json), so its base "
+                        "model is unknown; give --model, and --adapter an adapter folder written "
+                        "by `leantune train` or PEFT")
+
+
+@dataclass
+class Located:
+    """A checked base checkpoint, adapter and device; the tokenizer already loaded."""
+
+    folder: Path
+    lora: tuple | None  # (LoRAConfig, weights file) of the adapter
+    device: torch.device
+    dtype: torch.dtype
+    tokenizer: object
+
+    def load(self):
+        """The model in eval mode, the adapter attached unmerged."""
+        from ..lora.peft_io import attach_adapter
+        from ..model.loader import load_model
+
+        model = load_model(self.folder, dtype=self.dtype, device=self.device)
+        if self.lora is not None:
+            attach_adapter(model, *self.lora)
+        return model.eval()
+
+
+def locate(model: str | None, adapter: str | None, device: str | None = None,
+           dtype: str | None = None, log=print) -> Located:
+    """Check --model (default: the base named by --adapter), --adapter, --device and --dtype
+    ("bfloat16" | "float16" | "float32"; default by device) and load the tokenizer."""
+    from ..export.merge import MergedWeights, adapter_source
+    from ..model.loader import DTYPES, default_dtype, resolve_checkpoint
+    from ..train.preflight import check_weights
+    from ..train.trainer import load_tokenizer, resolve_device
+
+    adapter_dir = Path(adapter) if adapter else None
+    if model is None:
+        if adapter_dir is None:
+            raise LeantuneError("--model is required (or --adapter, whose adapter_config.json "
+                                "names its base model)")
+        model = adapter_base(adapter_dir)
+        log(f"model: {model} (the base named by the adapter)")
+    dev = resolve_device(device)
+    folder = resolve_checkpoint(model)
+    check_weights(folder)
+    lora = None
+    if adapter_dir is not None:
+        MergedWeights(folder, adapter_dir, log)  # checks the adapter fits this base (headers)
+        lora = adapter_source(adapter_dir, log=lambda _: None)
+    # the base's tokenizer; a run folder keeps a copy for a base that has none
+    has_own = any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
+    tokenizer = load_tokenizer(str(folder if has_own or adapter_dir is None else adapter_dir))
+    return Located(folder, lora, dev, DTYPES[dtype] if dtype else default_dtype(dev), tokenizer)

@@ -1,0 +1,45 @@
+"""`--sample-prompts`: a few completions at each evaluation, so the user sees the model change.
+
+The first MAX_PROMPTS prompts of the file (rows as `leantune generate --prompts` reads them) are
+completed greedily by the model as trained so far (LoRA unmerged, eval mode, no gradients) before
+training, at every evaluation and at the end; each completion is appended to
+OUTPUT/samples.jsonl as {"step", "prompt", "completion"}.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import LeantuneError
+
+SAMPLES = "samples.jsonl"
+MAX_PROMPTS = 4
+
+
+class SampleWriter:
+    """Reads and tokenizes the prompts at once (a bad file fails before the model loads)."""
+
+    def __init__(self, path: str, tokenizer, output: Path, max_new_tokens: int):
+        from ..generate.prompts import prompt_ids, read_prompt_file
+
+        if tokenizer is None:
+            raise LeantuneError("--sample-prompts needs the model's tokenizer")
+        rows = read_prompt_file(path)[:MAX_PROMPTS]
+        self.prompts = [prompt for _, prompt, _ in rows]
+        self.ids = [prompt_ids(tokenizer, prompt, where) for _, prompt, where in rows]
+        self.tokenizer = tokenizer
+        self.path = Path(output) / SAMPLES
+        self.max_new_tokens = max_new_tokens
+
+    def write(self, model, step: int) -> str:
+        """Complete the prompts with `model` (its mode is restored) and append the rows;
+        returns the first completion."""
+        from ..generate import generate
+
+        done = generate(model, self.tokenizer, self.ids, max_new_tokens=self.max_new_tokens,
+                        cuda_graphs=False)
+        with open(self.path, "a") as f:
+            for prompt, g in zip(self.prompts, done):
+                f.write(json.dumps({"step": step, "prompt": prompt, "completion": g.text}) + "\n")
+        return done[0].text

@@ -30,13 +30,16 @@ def one_torch_thread():
     torch.set_num_threads(old)
 
 
-FAMILIES = ["llama", "llama_tied", "llama_bias", "mistral", "qwen2", "qwen3"]
+MOE_FAMILIES = ["qwen3_moe", "qwen3_moe_norm", "mixtral", "gpt_oss"]
+FAMILIES = ["llama", "llama_tied", "llama_bias", "mistral", "qwen2", "qwen3", *MOE_FAMILIES]
 SLIDING_WINDOW = 4
 
 
 def tiny_config(family: str):
-    """A tiny transformers config for `family` (fp32, 2 layers, 4 heads, 2 kv heads)."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    """A tiny transformers config for `family` (fp32, 2-3 layers, 4 heads, 2 kv heads; MoE:
+    4-6 experts, top-2)."""
+    from transformers import (GptOssConfig, LlamaConfig, MistralConfig, MixtralConfig,
+                              Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
     base = {"vocab_size": 101, "hidden_size": 48, "intermediate_size": 80,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -58,6 +61,25 @@ def tiny_config(family: str):
                            tie_word_embeddings=True)
     if family == "qwen3":  # q/k RMSNorm, head_dim 16 != 48 / 4
         return Qwen3Config(**base, tie_word_embeddings=False)
+    if family == "qwen3_moe":  # layer 1 dense (mlp_only_layers), top-2 of 6 not renormalised
+        return Qwen3MoeConfig(**dict(base, num_hidden_layers=3), num_experts=6,
+                              num_experts_per_tok=2, moe_intermediate_size=24,
+                              mlp_only_layers=[1], norm_topk_prob=False)
+    if family == "qwen3_moe_norm":  # every other layer sparse (decoder_sparse_step 2), renormalised
+        return Qwen3MoeConfig(**dict(base, num_hidden_layers=3), num_experts=5,
+                              num_experts_per_tok=2, moe_intermediate_size=24,
+                              decoder_sparse_step=2, norm_topk_prob=True)
+    if family == "mixtral":  # sliding window
+        return MixtralConfig(**dict(base, intermediate_size=40), num_local_experts=5,
+                             num_experts_per_tok=2, sliding_window=SLIDING_WINDOW)
+    if family == "gpt_oss":  # sinks, alternating windows, YaRN, biases; a small SwiGLU limit so
+        # that its clamps bite; hidden and intermediate multiples of 32 (MXFP4 blocks)
+        return GptOssConfig(**dict(base, hidden_size=64, intermediate_size=32), num_local_experts=4,
+                            num_experts_per_tok=2, sliding_window=SLIDING_WINDOW,
+                            swiglu_limit=0.5, rope_parameters={
+                                "rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                "original_max_position_embeddings": 64})
     raise ValueError(family)
 
 

@@ -125,14 +125,15 @@ def load_hf(folder: Path):
         folder, attn_implementation="eager", dtype=torch.float32).float().eval()
 
 
-def save_random_adapter(base: Path, folder: Path, seed: int, r: int = 4, alpha: float = 8):
-    """A LoRA adapter on every projection of the checkpoint in `base`, B ~ N(0, 0.2) so the
-    merge shows (PEFT format in `folder`); returns the leantune model carrying it (eval mode)."""
+def save_random_adapter(base: Path, folder: Path, seed: int, r: int = 4, alpha: float = 8,
+                        targets: str = "q,k,v,o,gate,up,down"):
+    """A LoRA adapter on `targets` (default every projection) of the checkpoint in `base`,
+    B ~ N(0, 0.2) so the merge shows (PEFT format in `folder`); returns the leantune model
+    carrying it (eval mode)."""
     import leantune
 
     model = leantune.load_model(base, device="cpu")
-    leantune.apply_lora(model, leantune.LoRAConfig(r=r, alpha=alpha,
-                                                   targets="q,k,v,o,gate,up,down"))
+    leantune.apply_lora(model, leantune.LoRAConfig(r=r, alpha=alpha, targets=targets))
     with torch.no_grad():
         g = torch.Generator().manual_seed(seed)
         for name, p in model.named_parameters():
@@ -153,6 +154,12 @@ def save_tiny_tokenizer(folder: Path, vocab_size: int) -> None:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="w1",
                             eos_token="w2").save_pretrained(folder)
+
+
+def logits_of(model, ids: torch.Tensor) -> torch.Tensor:
+    """model(ids).logits without autograd (a leantune or transformers model)."""
+    with torch.no_grad():
+        return model(ids).logits
 
 
 def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -307,6 +314,19 @@ def train_cfg(model, data, output, **kw):
     return TrainConfig(**{**base, **kw})
 
 
+def capture_grads(trainer, monkeypatch) -> list[dict[str, torch.Tensor]]:
+    """Replace the optimizer step by a recorder of the (unclipped) gradients; the weights stay put
+    so several windows can be compared from the same point."""
+    seen = []
+    named = [(n, p) for n, p in trainer.model.named_parameters() if p.requires_grad]
+
+    def record(*_a, **_kw):
+        seen.append({n: p.grad.detach().clone() for n, p in named if p.grad is not None})
+
+    monkeypatch.setattr(trainer.optimizer, "step", record)
+    return seen
+
+
 def read_metrics(output: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(output) / "metrics.jsonl").read_text().splitlines()]
 
@@ -441,3 +461,74 @@ def cli_error(capsys, *args) -> str:
     assert rc == 2 and "Traceback" not in err, err
     assert len(lines) == 1 and lines[0].startswith("leantune: error: "), err
     return lines[0][len("leantune: error: "):]
+
+
+# --- mixture-of-experts: an MXFP4 packer and gpt-oss checkpoints in the released layout ----------
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A plain reference MXFP4 packer (the OCP MX format): w [..., K] (K a multiple of 32) ->
+    blocks [..., K / 32, 16] uint8 (element 2j in the low nibble of byte j), scales
+    [..., K / 32] uint8 (exponent + 127). Each block's scale is the power of two that puts its
+    largest magnitude in [4, 8); values round to the nearest E2M1 value (clamped to +-6)."""
+    from leantune.model.mxfp4 import E2M1_VALUES
+
+    blocks = w.float().reshape(*w.shape[:-1], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True).clamp_min(2.0 ** -100)
+    exp = torch.floor(torch.log2(amax)) - 2
+    scaled = (blocks / torch.exp2(exp)).clamp(-6, 6)
+    table = torch.tensor(E2M1_VALUES)
+    codes = (scaled[..., None] - table).abs().argmin(-1)  # nearest value (+0 before -0)
+    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    return packed, (exp[..., 0] + 127).to(torch.uint8)
+
+
+def save_tiny_moe_checkpoint(folder: Path, tokenizer, family: str, seed: int = 0,
+                             mxfp4: bool = False) -> Path:
+    """A tiny checkpoint of MoE `family` (tiny_config) sized to `tokenizer`, and the tokenizer
+    (`mxfp4`: gpt-oss with MXFP4 experts, as released)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(family)
+    cfg.vocab_size = len(tokenizer)
+    cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id = (
+        tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    folder.mkdir(parents=True, exist_ok=True)
+    if mxfp4:
+        save_mxfp4_gpt_oss(folder, seed, cfg)
+    else:
+        torch.manual_seed(seed)
+        AutoModelForCausalLM.from_config(cfg).float().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def save_mxfp4_gpt_oss(folder: Path, seed: int = 0, config=None):
+    """A tiny gpt-oss checkpoint as gpt-oss is released: expert weights as MXFP4 blocks and
+    scales (each expert [out, in]), a quantization_config in config.json. Returns the
+    transformers model holding the dequantised weights (the same model in fp32). `config`:
+    a gpt-oss config instead of tiny_config("gpt_oss")."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from leantune.model.mxfp4 import dequantize_mxfp4
+
+    hf = AutoModelForCausalLM.from_config(config or tiny_config("gpt_oss"),
+                                          attn_implementation="eager").float().eval()
+    randomize_(hf, seed)
+    tensors = {}
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                blocks, scales = quantize_mxfp4(p.transpose(1, 2))  # [E, out, in]
+                p.copy_(dequantize_mxfp4(blocks, scales).transpose(1, 2))
+                tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+            else:
+                tensors[name] = p.detach().clone()
+    hf.config.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4",
+                                     "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                "model.layers.*.mlp.router",
+                                                                "model.embed_tokens", "lm_head"]}
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return hf

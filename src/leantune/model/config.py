@@ -32,7 +32,9 @@ class MoESpec:
         ((up + 1) * gate * sigmoid(alpha * gate), gate <= limit, |up| <= limit); None: the
         family's `hidden_act` GLU over [gate | up] halves.
     dense_layers: layers that run a dense MLP of `intermediate_size` instead (Qwen3-MoE's
-        mlp_only_layers / decoder_sparse_step)."""
+        mlp_only_layers / decoder_sparse_step).
+    transposed: the stacked expert weights hold each expert as [in, out] (gpt-oss), not
+        [out, in] (model/moe.py)."""
 
     num_experts: int
     top_k: int
@@ -44,6 +46,7 @@ class MoESpec:
     swiglu_alpha: float = 1.702
     jitter_noise: float = 0.0  # Mixtral: training-time multiplicative noise on the layer input
     dense_layers: tuple[int, ...] = ()
+    transposed: bool = False
 
 
 @dataclass
@@ -217,7 +220,7 @@ def _moe_from_config(d: dict, mt: str) -> MoESpec:
                        jitter_noise=float(d.get("router_jitter_noise") or 0.0))
     return MoESpec(experts, top_k, int(d["intermediate_size"]), router="topk_softmax",
                    bias=True, swiglu_limit=float(d.get("swiglu_limit", 7.0)),
-                   swiglu_alpha=float(d.get("swiglu_alpha", 1.702)))
+                   swiglu_alpha=float(d.get("swiglu_alpha", 1.702)), transposed=True)
 
 
 DEFAULT_ROPE_THETA = {"gpt_oss": 150000.0}

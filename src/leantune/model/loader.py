@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 from contextlib import ExitStack
+from dataclasses import dataclass
 
 import torch
 
@@ -112,20 +113,31 @@ def build_empty(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> C
     return model
 
 
-def read_headers(files: list[Path]) -> tuple[dict[str, tuple[int, ...]], dict[str, Path]]:
-    """({tensor name: shape}, {tensor name: its file}) from the safetensors headers alone."""
+@dataclass
+class Headers:
+    """What the safetensors headers of a checkpoint say, per tensor name: its shape, its dtype
+    (safetensors' string: "BF16", "F32", "U8", ...) and its file."""
+
+    shapes: dict[str, tuple[int, ...]]
+    dtypes: dict[str, str]
+    files: dict[str, Path]
+
+
+def read_headers(files: list[Path]) -> Headers:
+    """The headers of `files` (no tensor data is read)."""
     from safetensors import safe_open
 
-    shapes, file_of = {}, {}
+    h = Headers({}, {}, {})
     for f in files:
         try:
             with safe_open(str(f), framework="pt", device="cpu") as sf:
                 for key in sf.keys():  # noqa: SIM118  (a safetensors handle, not a dict)
-                    shapes[key] = tuple(sf.get_slice(key).get_shape())
-                    file_of[key] = f
+                    sl = sf.get_slice(key)
+                    h.shapes[key], h.dtypes[key], h.files[key] = (
+                        tuple(sl.get_shape()), sl.get_dtype(), f)
         except Exception as e:
             raise _unreadable(f, e) from None
-    return shapes, file_of
+    return h
 
 
 def _unreadable(f: Path, e: Exception) -> LeantuneError:
@@ -133,13 +145,13 @@ def _unreadable(f: Path, e: Exception) -> LeantuneError:
                          f"{str(e)[:120]}); the file is truncated or corrupt, re-download it")
 
 
-def plan_checkpoint(model: CausalLM, files: list[Path]):
+def plan_checkpoint(model: CausalLM, files: list[Path], headers: Headers | None = None):
     """(the weight plan of `files` for `model`'s parameters (model/weight_map.py), the
     tensors' files); checks names and shapes from the headers alone."""
-    shapes, file_of = read_headers(files)
+    h = headers or read_headers(files)
     params = {n: tuple(p.shape) for n, p in model.named_parameters() if "lora_" not in n}
-    return plan_weights(model.config.model_type, params, shapes, file_of,
-                        files[0].parent), file_of
+    return plan_weights(model.config.model_type, params, h.shapes, h.files,
+                        files[0].parent), h.files
 
 
 @torch.no_grad()

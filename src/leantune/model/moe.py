@@ -141,8 +141,7 @@ class Experts(nn.Module):
         super().__init__()
         spec, h = cfg.moe, cfg.hidden_size
         E, i = spec.num_experts, spec.intermediate_size
-        # gpt-oss stores each expert as [in, out] ("transposed"), the others as [out, in]
-        self.transposed = spec.swiglu_limit is not None
+        self.transposed = spec.transposed  # each expert [in, out] (gpt-oss), else [out, in]
         shape = (lambda n_in, n_out: (E, n_in, n_out) if self.transposed else (E, n_out, n_in))
         self.gate_up_proj = nn.Parameter(torch.empty(shape(h, 2 * i)))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * i)) if spec.bias else None

@@ -172,3 +172,18 @@ def test_peft_adapter_on_other_parameters_is_refused(checkpoints, tmp_path):
     (tmp_path / "adapter_config.json").write_text(json.dumps(config))
     with pytest.raises(LeantuneError, match="gate_up_proj and down_proj together"):
         load_adapter(leantune.load_model(checkpoints["mixtral"], device="cpu"), tmp_path)
+
+
+def test_adapter_of_separate_expert_modules_is_named(checkpoints, tmp_path):
+    """A transformers 4.x-style adapter (LoRA on each expert's own gate_proj module) is refused
+    with what it is."""
+    from safetensors.torch import load_file, save_file
+
+    save_adapter(_lora_model(checkpoints["qwen3_moe"], targets="q"), tmp_path)
+    f = tmp_path / "adapter_model.safetensors"
+    tensors = load_file(str(f))
+    legacy = "base_model.model.model.layers.0.mlp.experts.0.gate_proj.lora_{}.weight"
+    tensors[legacy.format("A")], tensors[legacy.format("B")] = torch.zeros(4, 48), torch.zeros(24, 4)
+    save_file(tensors, str(f))
+    with pytest.raises(LeantuneError, match="separate expert modules .*transformers 4.x"):
+        load_adapter(leantune.load_model(checkpoints["qwen3_moe"], device="cpu"), tmp_path)

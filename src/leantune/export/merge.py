@@ -27,7 +27,7 @@ from ..errors import LeantuneError
 from ..lora import LoRAConfig
 from ..lora.layer import lora_scaling
 from ..lora.peft_io import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, EXPERT_PROJECTIONS, lora_pairs,
-                            read_adapter_config)
+                            read_adapter_config, unmatched)
 from ..model.config import ModelConfig
 from ..model.loader import (DTYPES, plan_checkpoint, read_headers, resolve_checkpoint,
                             safetensors_files)
@@ -101,7 +101,7 @@ class MergedWeights:
     per-expert, stacked or MXFP4 tensors in a checkpoint (model/weight_map.py): each expert e gets
     scaling * B_e @ A_e in the base's own layout (its rows of a per-expert gate/up pair; gpt-oss's
     [in, out]). An MXFP4 base with LoRA on its experts is written dequantised (`dequantised`:
-    its experts in the dtype of its embedding, and no quantization_config in config.json).
+    all its experts, in the dtype of its embedding, and no quantization_config in config.json).
 
     Opening checks that every adapter layer fits a base weight (name and shapes), so a wrong
     adapter fails before anything is written.
@@ -123,9 +123,11 @@ class MergedWeights:
         params = {n: tuple(p.shape) for n, p in base.named_parameters()}
         for key, (a, b) in self.deltas.items():
             self._check_delta(key, a, b, headers.shapes, params)
-        # MXFP4 expert weights whose experts have LoRA: written dense under the parameter's name
+        # MXFP4 expert weights, written dense under the parameter's name when any has LoRA
         mxfp4 = {piece.key: name for name, pieces in self.plan.items() for piece in pieces
-                 if piece.scales and name in self.deltas}
+                 if piece.scales}
+        if not any(name in self.deltas for name in mxfp4.values()):
+            mxfp4 = {}
         self.dequantised = bool(mxfp4)
         dense = ST_FLOATS.get(headers.dtypes.get("model.embed_tokens.weight"), torch.bfloat16)
         self.shapes: dict[str, tuple[int, ...]] = {}
@@ -148,8 +150,7 @@ class MergedWeights:
         where = self.adapter_dir
         if key.endswith(EXPERT_PROJECTIONS):
             if key not in params:
-                raise LeantuneError(f"{where}: adapter layers not found in the base model (e.g. "
-                                    f"{key}); is it the adapter of another model?")
+                raise unmatched(where, key)
             E, d1, d2 = params[key]
             n_in, n_out = (d1, d2) if self.config.moe.transposed else (d2, d1)
             if (a.dim() != 3 or b.dim() != 3 or a.shape[0] != E or b.shape[0] != E
@@ -159,8 +160,7 @@ class MergedWeights:
                                     "is it the adapter of another model?")
             return
         if key not in shapes:
-            raise LeantuneError(f"{where}: adapter layers not found in the base model (e.g. "
-                                f"{key}); is it the adapter of another model?")
+            raise unmatched(where, key)
         if a.dim() != 2 or b.dim() != 2 or (b.shape[0], a.shape[1]) != shapes[key] \
                 or a.shape[0] != b.shape[1]:
             raise LeantuneError(f"{where}: {key}: lora_A {tuple(a.shape)} and lora_B "
@@ -190,7 +190,9 @@ class MergedWeights:
             with safe_open(str(self.files[piece.key]), framework="pt", device="cpu") as sf, \
                     safe_open(str(self.files[piece.scales]), framework="pt", device="cpu") as sc:
                 read_piece_into(t, piece, sf, sc)
-            return (t + self._expert_delta(key)).to(dtype or self.dense[key])
+            if key in self.deltas:
+                t += self._expert_delta(key)
+            return t.to(dtype or self.dense[key])
         with safe_open(str(self.files[key]), framework="pt", device="cpu") as sf:
             t = sf.get_tensor(key)
         if key in self.expert_pieces:

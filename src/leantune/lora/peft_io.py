@@ -113,6 +113,16 @@ def lora_pairs(tensors: dict[str, torch.Tensor], r: int,
     return {k: (a, b) for k, (a, b) in pairs.items()}
 
 
+def unmatched(where, base: str) -> LeantuneError:
+    """The error for an adapter tensor whose base tensor `base` the model does not have."""
+    if re.search(r"\.experts\.\d+\.", base):
+        return LeantuneError(f"{where}: {base}: an adapter of separate expert modules "
+                             "(transformers 4.x); leantune reads expert adapters in transformers "
+                             "5.x's stacked form (PEFT target_parameters)")
+    return LeantuneError(f"{where}: adapter layers not found in the base model (e.g. {base}); "
+                         "is it the adapter of another model?")
+
+
 def adapter_state_dict(model) -> dict[str, torch.Tensor]:
     """PEFT-named LoRA tensors (contiguous, on the CPU)."""
     out = {}
@@ -219,8 +229,7 @@ def load_adapter(model, adapter_dir: str | os.PathLike) -> LoRAConfig:
     pairs = lora_pairs(tensors, cfg.r, path)
     for base, pair in pairs.items():
         if base not in targets:
-            raise LeantuneError(f"{path}: the adapter of {base} does not match any adapted "
-                                "layer of this model; is it the adapter of another base model?")
+            raise unmatched(path, base)
         for ab, param, t in zip("AB", targets[base], pair):
             if param.shape != t.shape:
                 raise LeantuneError(f"{path}: {peft_name(base, ab)} has shape "

@@ -3,10 +3,12 @@ by expert once, each expert's gated MLP runs on its group, and the outputs come 
 
     x [N, H] -> router: logits [N, E] -> weights [N, k], experts [N, k]
       -> Grouping (once per layer): the N*k assignments sorted by expert (one stable argsort),
-         counts by one bincount, group ends by cumsum
+         counts by one bincount (a scatter-add: torch.bincount syncs on CUDA), group ends by
+         cumsum
       -> xs = x[tokens of the sorted assignments]                        [N*k, H]  (one gather)
       -> per expert group: gate/up, GLU, down (grouped GEMMs, or a loop)  [N*k, H]
-      -> times the routing weights, back to token order and summed over k [N, H]  (one scatter)
+      -> times the routing weights, back to token order (the inverse permutation), summed
+         over k                                                            [N, H]
 
 No per-expert `nonzero` / `where`. The expert matmuls run as one grouped GEMM each
 (`torch.nn.functional.grouped_mm`, or `torch._grouped_mm` in older builds) on CUDA in bf16, with
@@ -15,7 +17,7 @@ grouped kernel cannot take) a loop over the non-empty experts slices the groups 
 counts, read once per layer (on CUDA that read is the layer's one sync).
 
 Parameters are stacked per layer and named as transformers 5.x names them, whatever layout the
-checkpoint has (model/experts_layout.py maps per-expert 2-D and MXFP4 tensors onto them):
+checkpoint has (model/weight_map.py maps per-expert 2-D and MXFP4 tensors onto them):
     Qwen3-MoE, Mixtral: gate.weight [E, H]; experts.gate_up_proj [E, 2I, H] ([gate; up] rows),
         experts.down_proj [E, H, I]                                  (each [out, in] per expert)
     gpt-oss: router.weight [E, H], router.bias [E]; experts.gate_up_proj [E, H, 2I] (gate and
@@ -71,7 +73,7 @@ class Grouping:
         order = torch.argsort(flat, stable=True)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
-        counts = torch.bincount(flat, minlength=num_experts)
+        counts = expert_counts(flat, num_experts)
         return cls(order, order // k, flat[order], inverse, counts,
                    torch.cumsum(counts, 0, dtype=torch.int32), grouped)
 
@@ -81,6 +83,13 @@ class Grouping:
         if self._host_counts is None:
             self._host_counts = self.counts.tolist()
         return self._host_counts
+
+
+def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many of `experts` (int64 ids) name each expert: [num_experts] int64. A bincount, as
+    a scatter-add (torch.bincount reads the largest id back to the host on CUDA)."""
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=experts.device)
+    return counts.scatter_add_(0, experts, torch.ones_like(experts))
 
 
 def grouped_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -252,7 +261,7 @@ def router_stats(logits: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor,
     """(top-k choices per expert [E], summed router probabilities per expert [E], fp32) of one
     layer's N tokens: the load-balancing loss's ingredients."""
     E = logits.shape[-1]
-    chosen = torch.bincount(idx.reshape(-1), minlength=E).float()
+    chosen = expert_counts(idx.reshape(-1), E).float()
     return chosen, torch.softmax(logits.float(), dim=-1).sum(0)
 
 

@@ -99,7 +99,8 @@ def test_expert_target_errors(checkpoints, tmp_path):
 
 def test_peft_names_and_layouts():
     base = "model.layers.3.mlp.experts.gate_up_proj"
-    assert peft_name(base, "A") == "base_model.model.model.layers.3.mlp.experts.base_layer.lora_A.weight"
+    assert peft_name(base, "A") == \
+        "base_model.model.model.layers.3.mlp.experts.base_layer.lora_A.weight"
     assert peft_name("model.layers.3.mlp.experts.down_proj", "B") == \
         "base_model.model.model.layers.3.mlp.experts.lora_B.weight"
     for key in (peft_name(base, "B"), "model.layers.3.mlp.experts.lora_B.gate_up_proj"):
@@ -183,7 +184,8 @@ def test_adapter_of_separate_expert_modules_is_named(checkpoints, tmp_path):
     f = tmp_path / "adapter_model.safetensors"
     tensors = load_file(str(f))
     legacy = "base_model.model.model.layers.0.mlp.experts.0.gate_proj.lora_{}.weight"
-    tensors[legacy.format("A")], tensors[legacy.format("B")] = torch.zeros(4, 48), torch.zeros(24, 4)
+    tensors[legacy.format("A")] = torch.zeros(4, 48)
+    tensors[legacy.format("B")] = torch.zeros(24, 4)
     save_file(tensors, str(f))
     with pytest.raises(LeantuneError, match="separate expert modules .*transformers 4.x"):
         load_adapter(leantune.load_model(checkpoints["qwen3_moe"], device="cpu"), tmp_path)

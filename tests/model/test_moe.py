@@ -177,7 +177,7 @@ def test_yarn_matches_transformers(truncate, extra):
     assert scale == pytest.approx(ref_scale)
 
 
-# --- the MoE block: grouped routing against a per-expert-mask reference --------------------------
+# --- the MoE block: grouped routing against a per-expert-mask reference ---------------------------
 
 def reference_moe(block: MoEBlock, x: torch.Tensor) -> torch.Tensor:
     """The MoE block as plainly as it can be written: for each expert, the tokens that chose it
@@ -270,7 +270,7 @@ def test_grouping_is_one_sort_and_every_expert_may_be_empty():
     assert g.host_counts == [2, 0, 3, 1]
 
 
-# --- MXFP4 -----------------------------------------------------------------------------------------
+# --- MXFP4 ----------------------------------------------------------------------------------------
 
 def test_mxfp4_dequantisation_matches_transformers_and_the_packer():
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
@@ -352,7 +352,7 @@ def test_per_expert_checkpoint_missing_an_expert_is_a_one_line_error(checkpoints
         leantune.load_model(folder, device="cpu")
 
 
-# --- the load-balancing loss -------------------------------------------------------------------------
+# --- the load-balancing loss ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_router_aux_loss_matches_transformers(checkpoints, family):

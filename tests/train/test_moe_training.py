@@ -100,8 +100,8 @@ def test_router_aux_loss_needs_a_moe_model(tiny_ckpt, alpaca_file, tmp_path):  #
         train_cfg(tiny_ckpt, alpaca_file, tmp_path / "run", router_aux_loss_coef=-1).validate()
 
 
-def test_full_finetune_of_an_mxfp4_base_writes_a_dense_checkpoint(moe_ckpts, alpaca_file,  # noqa: F811
-                                                                   tmp_path):
+def test_full_finetune_of_an_mxfp4_base_writes_a_dense_checkpoint(  # noqa: F811
+        moe_ckpts, alpaca_file, tmp_path):
     cfg = train_cfg(moe_ckpts["gpt_oss_mxfp4"], alpaca_file, tmp_path / "run", max_steps=1,
                     full=True, lora_r=16)
     trainer = Trainer(cfg, log=quiet)

@@ -2,7 +2,8 @@
 
 Streams tensor by tensor through the base checkpoint's shards (host memory near one shard): each
 adapted projection gets W + scaling * B @ A, computed in fp32 and cast to the output dtype (MoE
-experts: per expert, in the base's own expert layout); every other tensor is copied. config.json, generation_config.json and tokenizer files come along, so
+experts: per expert, in the base's own expert layout); every other tensor is copied. config.json,
+generation_config.json and tokenizer files come along, so
 `transformers.AutoModelForCausalLM.from_pretrained(OUT)` gives the fine-tuned model's logits.
 `MergedWeights` is the same stream for the GGUF writer.
 

@@ -145,7 +145,7 @@ class ModelConfig:
                     first = int(d.get("max_window_layers", 0))
                     layer_types = ["sliding_attention" if i >= first else "full_attention"
                                    for i in range(int(d["num_hidden_layers"]))]
-            if mt == "gpt_oss" and not layer_types:  # its default: sliding from layer 0, every other
+            if mt == "gpt_oss" and not layer_types:  # its default: sliding on every other layer
                 layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention"
                                for i in range(int(d["num_hidden_layers"]))]
             if layer_types and "sliding_attention" not in layer_types:

@@ -31,13 +31,16 @@ def one_torch_thread():
     torch.set_num_threads(old)
 
 
-FAMILIES = ["llama", "llama_tied", "llama_bias", "mistral", "qwen2", "qwen3"]
+MOE_FAMILIES = ["qwen3_moe", "qwen3_moe_norm", "mixtral", "gpt_oss"]
+FAMILIES = ["llama", "llama_tied", "llama_bias", "mistral", "qwen2", "qwen3", *MOE_FAMILIES]
 SLIDING_WINDOW = 4
 
 
 def tiny_config(family: str):
-    """A tiny transformers config for `family` (fp32, 2 layers, 4 heads, 2 kv heads)."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    """A tiny transformers config for `family` (fp32, 2-3 layers, 4 heads, 2 kv heads; MoE:
+    4-6 experts, top-2)."""
+    from transformers import (GptOssConfig, LlamaConfig, MistralConfig, MixtralConfig,
+                              Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
     base = {"vocab_size": 101, "hidden_size": 48, "intermediate_size": 80,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -59,6 +62,25 @@ def tiny_config(family: str):
                            tie_word_embeddings=True)
     if family == "qwen3":  # q/k RMSNorm, head_dim 16 != 48 / 4
         return Qwen3Config(**base, tie_word_embeddings=False)
+    if family == "qwen3_moe":  # layer 1 dense (mlp_only_layers), top-2 of 6 not renormalised
+        return Qwen3MoeConfig(**dict(base, num_hidden_layers=3), num_experts=6,
+                              num_experts_per_tok=2, moe_intermediate_size=24,
+                              mlp_only_layers=[1], norm_topk_prob=False)
+    if family == "qwen3_moe_norm":  # every other layer sparse (decoder_sparse_step 2), renormalised
+        return Qwen3MoeConfig(**dict(base, num_hidden_layers=3), num_experts=5,
+                              num_experts_per_tok=2, moe_intermediate_size=24,
+                              decoder_sparse_step=2, norm_topk_prob=True)
+    if family == "mixtral":  # sliding window
+        return MixtralConfig(**dict(base, intermediate_size=40), num_local_experts=5,
+                             num_experts_per_tok=2, sliding_window=SLIDING_WINDOW)
+    if family == "gpt_oss":  # sinks, alternating windows, YaRN, biases; a small SwiGLU limit so
+        # that its clamps bite; hidden and intermediate multiples of 32 (MXFP4 blocks)
+        return GptOssConfig(**dict(base, hidden_size=64, intermediate_size=32), num_local_experts=4,
+                            num_experts_per_tok=2, sliding_window=SLIDING_WINDOW,
+                            swiglu_limit=0.5, rope_parameters={
+                                "rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                "original_max_position_embeddings": 64})
     raise ValueError(family)
 
 
@@ -104,14 +126,15 @@ def load_hf(folder: Path):
         folder, attn_implementation="eager", dtype=torch.float32).float().eval()
 
 
-def save_random_adapter(base: Path, folder: Path, seed: int, r: int = 4, alpha: float = 8):
-    """A LoRA adapter on every projection of the checkpoint in `base`, B ~ N(0, 0.2) so the
-    merge shows (PEFT format in `folder`); returns the leantune model carrying it (eval mode)."""
+def save_random_adapter(base: Path, folder: Path, seed: int, r: int = 4, alpha: float = 8,
+                        targets: str = "q,k,v,o,gate,up,down"):
+    """A LoRA adapter on `targets` (default every projection) of the checkpoint in `base`,
+    B ~ N(0, 0.2) so the merge shows (PEFT format in `folder`); returns the leantune model
+    carrying it (eval mode)."""
     import leantune
 
     model = leantune.load_model(base, device="cpu")
-    leantune.apply_lora(model, leantune.LoRAConfig(r=r, alpha=alpha,
-                                                   targets="q,k,v,o,gate,up,down"))
+    leantune.apply_lora(model, leantune.LoRAConfig(r=r, alpha=alpha, targets=targets), seed=seed)
     with torch.no_grad():
         g = torch.Generator().manual_seed(seed)
         for name, p in model.named_parameters():
@@ -132,6 +155,12 @@ def save_tiny_tokenizer(folder: Path, vocab_size: int) -> None:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="w1",
                             eos_token="w2").save_pretrained(folder)
+
+
+def logits_of(model, ids: torch.Tensor) -> torch.Tensor:
+    """model(ids).logits without autograd (a leantune or transformers model)."""
+    with torch.no_grad():
+        return model(ids).logits
 
 
 def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -284,6 +313,19 @@ def train_cfg(model, data, output, **kw):
     base = dict(model=str(model), data=str(data), output=str(output), max_seq_len=128,
                 batch_size=2, lr=1e-3, lora_r=4, device="cpu", dtype="float32", progress=False)
     return TrainConfig(**{**base, **kw})
+
+
+def capture_grads(trainer, monkeypatch) -> list[dict[str, torch.Tensor]]:
+    """Replace the optimizer step by a recorder of the (unclipped) gradients; the weights stay put
+    so several windows can be compared from the same point."""
+    seen = []
+    named = [(n, p) for n, p in trainer.model.named_parameters() if p.requires_grad]
+
+    def record(*_a, **_kw):
+        seen.append({n: p.grad.detach().clone() for n, p in named if p.grad is not None})
+
+    monkeypatch.setattr(trainer.optimizer, "step", record)
+    return seen
 
 
 def read_metrics(output: Path) -> list[dict]:
@@ -493,3 +535,74 @@ def smollm2_checkpoint() -> Path:
     tok.save_pretrained(tmp)
     os.replace(tmp, folder)
     return folder
+
+
+# --- mixture-of-experts: an MXFP4 packer and gpt-oss checkpoints in the released layout ----------
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A plain reference MXFP4 packer (the OCP MX format): w [..., K] (K a multiple of 32) ->
+    blocks [..., K / 32, 16] uint8 (element 2j in the low nibble of byte j), scales
+    [..., K / 32] uint8 (exponent + 127). Each block's scale is the power of two that puts its
+    largest magnitude in [4, 8); values round to the nearest E2M1 value (clamped to +-6)."""
+    from leantune.model.mxfp4 import E2M1_VALUES
+
+    blocks = w.float().reshape(*w.shape[:-1], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True).clamp_min(2.0 ** -100)
+    exp = torch.floor(torch.log2(amax)) - 2
+    scaled = (blocks / torch.exp2(exp)).clamp(-6, 6)
+    table = torch.tensor(E2M1_VALUES)
+    codes = (scaled[..., None] - table).abs().argmin(-1)  # nearest value (+0 before -0)
+    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    return packed, (exp[..., 0] + 127).to(torch.uint8)
+
+
+def save_tiny_moe_checkpoint(folder: Path, tokenizer, family: str, seed: int = 0,
+                             mxfp4: bool = False) -> Path:
+    """A tiny checkpoint of MoE `family` (tiny_config) sized to `tokenizer`, and the tokenizer
+    (`mxfp4`: gpt-oss with MXFP4 experts, as released)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(family)
+    cfg.vocab_size = len(tokenizer)
+    cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id = (
+        tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    folder.mkdir(parents=True, exist_ok=True)
+    if mxfp4:
+        save_mxfp4_gpt_oss(folder, seed, cfg)
+    else:
+        torch.manual_seed(seed)
+        AutoModelForCausalLM.from_config(cfg).float().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def save_mxfp4_gpt_oss(folder: Path, seed: int = 0, config=None):
+    """A tiny gpt-oss checkpoint as gpt-oss is released: expert weights as MXFP4 blocks and
+    scales (each expert [out, in]), a quantization_config in config.json. Returns the
+    transformers model holding the dequantised weights (the same model in fp32). `config`:
+    a gpt-oss config instead of tiny_config("gpt_oss")."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from leantune.model.mxfp4 import dequantize_mxfp4
+
+    hf = AutoModelForCausalLM.from_config(config or tiny_config("gpt_oss"),
+                                          attn_implementation="eager").float().eval()
+    randomize_(hf, seed)
+    tensors = {}
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                blocks, scales = quantize_mxfp4(p.transpose(1, 2))  # [E, out, in]
+                p.copy_(dequantize_mxfp4(blocks, scales).transpose(1, 2))
+                tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+            else:
+                tensors[name] = p.detach().clone()
+    hf.config.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4",
+                                     "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                "model.layers.*.mlp.router",
+                                                                "model.embed_tokens", "lm_head"]}
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return hf

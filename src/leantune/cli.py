@@ -58,9 +58,12 @@ def _train_parser(sub) -> None:
     a("--lora-r", type=int, help="LoRA rank (default 16)")
     a("--lora-alpha", type=float, help="LoRA alpha (default 16)")
     a("--lora-dropout", type=float, help="LoRA dropout (default 0)")
-    a("--lora-targets", help="comma list of q,k,v,o,gate,up,down (default: all)")
+    a("--lora-targets", help="comma list of q,k,v,o,gate,up,down (default: all), and experts "
+                             "(MoE models: the expert weights)")
     a("--use-rslora", action="store_true", default=None, help="scale by alpha/sqrt(r)")
     a("--full", action="store_true", default=None, help="full fine-tuning instead of LoRA")
+    a("--router-aux-loss-coef", type=float,
+      help="MoE models: add this times the router's load-balancing loss (default 0 = off)")
     a("--merge-at-end", action="store_true", default=None,
       help="LoRA: also write the base model with the adapter merged in to OUTPUT/merged")
     a("--train-on-inputs", action="store_true", default=None,

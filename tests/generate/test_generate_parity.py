@@ -8,6 +8,7 @@ import pytest
 import torch
 from helpers import (
     FAMILIES,
+    MOE_FAMILIES,
     load_hf,
     max_abs,
     one_torch_thread,  # noqa: F401  (autouse)
@@ -31,7 +32,10 @@ def checkpoints(tmp_path_factory):
     for i, fam in enumerate(FAMILIES):
         folder = tmp_path_factory.mktemp(fam)
         save_checkpoint(fam, folder, seed=i)
-        save_random_adapter(folder, folder.parent / f"{fam}-adapter", seed=i)
+        # MoE families: LoRA on attention and the experts (their dense MLP names mean experts
+        # to PEFT)
+        targets = "q,k,v,o,experts" if fam in MOE_FAMILIES else "q,k,v,o,gate,up,down"
+        save_random_adapter(folder, folder.parent / f"{fam}-adapter", seed=i, targets=targets)
         out[fam] = (folder, folder.parent / f"{fam}-adapter")
     return out
 

@@ -86,7 +86,8 @@ def test_unsupported_model_type(good, tmp_path):
     assert "'gpt2'" in msg and str(ckpt / "config.json") in msg
     for supported in SUPPORTED_MODEL_TYPES:
         assert supported in msg
-    assert set(SUPPORTED_MODEL_TYPES) == {"llama", "mistral", "qwen2", "qwen3"}
+    assert set(SUPPORTED_MODEL_TYPES) == {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe",
+                                          "mixtral", "gpt_oss"}
 
 
 @pytest.mark.parametrize("field", ["hidden_size", "vocab_size", "num_attention_heads",

@@ -11,6 +11,7 @@ import torch
 from helpers import one_torch_thread  # noqa: F401  (autouse)
 from safetensors.torch import load_file
 from helpers import alpaca_file, read_metrics, tiny_ckpt  # noqa: F401  (fixtures)
+from helpers import capture_grads
 
 from leantune.batch import PackedBatch
 from leantune.data import PackedLoader
@@ -36,19 +37,6 @@ def make_cfg(model, data, output, **kw) -> TrainConfig:
 
 # --- gradient accumulation ---------------------------------------------------------------------
 
-def _capture_grads(trainer, monkeypatch) -> list[dict[str, torch.Tensor]]:
-    """Replace the optimizer step by a recorder of the (unclipped) gradients; the weights stay put
-    so several windows can be compared from the same point."""
-    seen = []
-    named = [(n, p) for n, p in trainer.model.named_parameters() if p.requires_grad]
-
-    def record(*_a, **_kw):
-        seen.append({n: p.grad.detach().clone() for n, p in named if p.grad is not None})
-
-    monkeypatch.setattr(trainer.optimizer, "step", record)
-    return seen
-
-
 def _max_rel(a: dict, b: dict) -> float:
     """Largest difference over all gradients, relative to the largest gradient entry."""
     scale = max(g.abs().max().item() for g in b.values())
@@ -61,7 +49,7 @@ def test_grad_accum_equals_one_batch_of_the_same_rows(tiny_ckpt, alpaca_file, tm
     cfg = make_cfg(tiny_ckpt, alpaca_file, tmp_path / "run", full=True, batch_size=1,
                    grad_accum=4, max_grad_norm=0.0, max_seq_len=64, max_steps=2)
     tr = Trainer(cfg, log=quiet)
-    grads = _capture_grads(tr, monkeypatch)
+    grads = capture_grads(tr, monkeypatch)
 
     micro = [tr.loader.get_batch(0, i) for i in range(4)]
     n_target = [b.num_target_tokens for b in micro]

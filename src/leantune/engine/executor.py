@@ -42,6 +42,7 @@ from ..kernels.rmsnorm import rms_norm_bwd, rms_norm_fwd
 from ..kernels.rope import rope_
 from ..kernels.swiglu import glu_bwd_, glu_fwd
 from ..model.attention import AttentionMeta
+from ..model.moe import MoEBlock
 from .activation_store import ActivationStore
 from .attention import AttentionBackend
 from .options import EngineOptions
@@ -118,6 +119,8 @@ def _autocast_on() -> bool:
 
 def fused_unsupported(layer) -> str | None:
     """Why `layer` can't take the fused path (None if it can)."""
+    if isinstance(layer.mlp, MoEBlock):
+        return "MoE layer (fused MoE executor not built yet)"
     if _autocast_on():
         return "torch.autocast"
     for name, p in layer.named_parameters():
@@ -141,7 +144,10 @@ def lora_params(layer) -> list[torch.nn.Parameter]:
 
 
 def lora_ranks(layer) -> int:
-    """LoRA columns of the layer's packed groups (q/k/v, gate/up, down) together."""
+    """LoRA columns of the layer's packed groups (q/k/v, gate/up, down) together (0 for a MoE
+    layer: it runs on the autograd path)."""
+    if isinstance(layer.mlp, MoEBlock):
+        return 0
     qkv, _, gu, down = layer_groups(layer)
     return sum(m.r for m in (*qkv, *gu, *down) if m.has_lora)
 

@@ -53,7 +53,9 @@ FWD_FLOPS_PER_S = 650e12
 # --compile) keeps what autograd saves: ~ACT_FACTOR * (8 hidden + 3 intermediate + 3 kv) values
 # per token per layer (measured on an H200 for Llama-3.2-1B / 3.1-8B shapes), plus a working set
 # of a fixed part and 2.5 layers' activations; layers it does not keep are recomputed from their
-# input (torch.utils.checkpoint).
+# input (torch.utils.checkpoint). For MoE models (on this path until a fused MoE executor
+# exists; not measured yet) the intermediate width is the top-k experts' together
+# (ModelConfig.mlp_width) and each token's k routed copies of its input and output add 2 k hidden.
 ACT_FACTOR = 0.8
 AUTOGRAD_HEADROOM_GIB = 1.5
 AUTOGRAD_HEADROOM_LAYERS = 2.5
@@ -98,8 +100,9 @@ def kept_bytes(w: Workload, keep: Keep) -> int:
     if w.autograd:
         if keep == Keep.ALL:
             c = w.cfg
+            routed = 2 * c.moe.top_k * c.hidden_size if c.moe else 0
             return int(ACT_FACTOR * w.itemsize * w.tokens * (
-                8 * c.hidden_size + 3 * c.intermediate_size + 3 * c.kv_size))
+                8 * c.hidden_size + 3 * c.mlp_width + 3 * c.kv_size + routed))
         return w.tokens * w.itemsize * w.cfg.hidden_size  # torch.utils.checkpoint: its input
     return FusedExecutor.kept_bytes(w.cfg, w.tokens, keep, w.itemsize, w.lora_ranks)
 

@@ -1,8 +1,9 @@
 """Merged export: base checkpoint + LoRA adapter -> a sharded HF safetensors checkpoint.
 
 Streams tensor by tensor through the base checkpoint's shards (host memory near one shard): each
-adapted projection gets W + scaling * B @ A, computed in fp32 and cast to the output dtype; every
-other tensor is copied. config.json, generation_config.json and tokenizer files come along, so
+adapted projection gets W + scaling * B @ A, computed in fp32 and cast to the output dtype (MoE
+experts: per expert, in the base's own expert layout); every other tensor is copied. config.json,
+generation_config.json and tokenizer files come along, so
 `transformers.AutoModelForCausalLM.from_pretrained(OUT)` gives the fine-tuned model's logits.
 `MergedWeights` is the same stream for the GGUF writer.
 
@@ -26,9 +27,13 @@ import torch
 from ..errors import LeantuneError
 from ..lora import LoRAConfig
 from ..lora.layer import lora_scaling
-from ..lora.peft_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS, parse_key, read_adapter_config
+from ..lora.peft_io import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, EXPERT_PROJECTIONS, lora_pairs,
+                            read_adapter_config, unmatched)
 from ..model.config import ModelConfig
-from ..model.loader import DTYPES, resolve_checkpoint, safetensors_files
+from ..model.loader import (DTYPES, plan_checkpoint, read_headers, resolve_checkpoint,
+                            safetensors_files)
+from ..model.transformer import CausalLM
+from ..model.weight_map import read_piece_into
 from ..train.checkpoint import latest_checkpoint
 from ..utils import signals
 from ..utils.io import atomic_write_json
@@ -72,8 +77,9 @@ def _checkpoint_lora(ckpt: Path) -> LoRAConfig:
 
 def read_lora_pairs(adapter: Path, log=print) -> tuple[
         dict[str, tuple[torch.Tensor, torch.Tensor]], float, int]:
-    """{base weight name: (lora_A [r, in], lora_B [out, r])}, the scaling and the rank of
-    --adapter `adapter` (`adapter_source`: an adapter folder, a checkpoint or a run folder)."""
+    """{base tensor name: (lora_A, lora_B)} in the model's layout ([r, in] / [out, r]; a MoE
+    layer's stacked experts [E, r, in] / [E, out, r]), the scaling and the rank of --adapter
+    `adapter` (`adapter_source`: an adapter folder, a checkpoint or a run folder)."""
     from safetensors.torch import load_file
 
     cfg, path = adapter_source(Path(adapter), log)
@@ -82,18 +88,21 @@ def read_lora_pairs(adapter: Path, log=print) -> tuple[
         tensors = load_file(str(path))
     except Exception as e:
         raise LeantuneError(f"{path}: cannot read adapter weights ({type(e).__name__})") from None
-    pairs: dict[str, list] = {}
-    for key, t in tensors.items():
-        mod, which = parse_key(key)
-        pairs.setdefault(mod + ".weight", [None, None])[0 if which == "A" else 1] = t
-    for k, (a, b) in pairs.items():
-        if a is None or b is None:
-            raise LeantuneError(f"{path}: {k} has only one of lora_A / lora_B")
-    return {k: (a, b) for k, (a, b) in pairs.items()}, scaling, cfg.r
+    return lora_pairs(tensors, cfg.r, path), scaling, cfg.r
+
+
+ST_FLOATS = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+ST_NAMES = {v: k for k, v in ST_FLOATS.items()}
 
 
 class MergedWeights:
     """The base checkpoint's tensors with a LoRA adapter merged in, read one at a time.
+
+    Projections get W + scaling * B @ A. MoE experts are stacked parameters in the model and
+    per-expert, stacked or MXFP4 tensors in a checkpoint (model/weight_map.py): each expert e gets
+    scaling * B_e @ A_e in the base's own layout (its rows of a per-expert gate/up pair; gpt-oss's
+    [in, out]). An MXFP4 base with LoRA on its experts is written dequantised (`dequantised`:
+    all its experts, in the dtype of its embedding, and no quantization_config in config.json).
 
     Opening checks that every adapter layer fits a base weight (name and shapes), so a wrong
     adapter fails before anything is written.
@@ -101,43 +110,100 @@ class MergedWeights:
 
     def __init__(self, model: str | os.PathLike, adapter_dir: str | os.PathLike | None = None,
                  log=print):
-        from safetensors import safe_open
-
         self.src = resolve_checkpoint(model)
         self.config = ModelConfig.from_file(self.src / "config.json")  # validates model_type
         self.adapter_dir = Path(adapter_dir) if adapter_dir else None
         self.deltas, self.scaling, self.rank = (read_lora_pairs(self.adapter_dir, log)
                                                 if self.adapter_dir else ({}, 0.0, 0))
-        self.files: dict[str, Path] = {}  # tensor name -> its shard
+        files = safetensors_files(self.src)
+        headers = read_headers(files)
+        self.files = headers.files  # tensor name -> its shard
+        with torch.device("meta"):
+            base = CausalLM(self.config)
+        self.plan, _ = plan_checkpoint(base, files, headers)
+        params = {n: tuple(p.shape) for n, p in base.named_parameters()}
+        for key, (a, b) in self.deltas.items():
+            self._check_delta(key, a, b, headers.shapes, params)
+        # MXFP4 expert weights, written dense under the parameter's name when any has LoRA
+        mxfp4 = {piece.key: name for name, pieces in self.plan.items() for piece in pieces
+                 if piece.scales}
+        if not any(name in self.deltas for name in mxfp4.values()):
+            mxfp4 = {}
+        self.dequantised = bool(mxfp4)
+        dense = ST_FLOATS.get(headers.dtypes.get("model.embed_tokens.weight"), torch.bfloat16)
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.st_dtypes: dict[str, str] = {}  # safetensors dtype strings ("BF16", "F32", ...)
-        for f in safetensors_files(self.src):
-            with safe_open(str(f), framework="pt", device="cpu") as sf:
-                for key in sf.keys():  # noqa: SIM118  (a safetensors handle, not a dict)
-                    sl = sf.get_slice(key)
-                    self.files[key] = f
-                    self.shapes[key] = tuple(sl.get_shape())
-                    self.st_dtypes[key] = sl.get_dtype()
-        for key, (a, b) in self.deltas.items():
-            if key not in self.shapes:
-                raise LeantuneError(f"{self.adapter_dir}: adapter layers not found in the base "
-                                    f"model (e.g. {key}); is it the adapter of another model?")
-            if a.dim() != 2 or b.dim() != 2 or (b.shape[0], a.shape[1]) != self.shapes[key] \
-                    or a.shape[0] != b.shape[1]:
-                raise LeantuneError(f"{self.adapter_dir}: {key}: lora_A {tuple(a.shape)} and "
-                                    f"lora_B {tuple(b.shape)} do not fit the base weight "
-                                    f"{self.shapes[key]}; is it the adapter of another model?")
+        self.dense: dict[str, torch.dtype] = {}  # parameter -> dtype, for dequantised MXFP4
+        scales = {self.plan[name][0].scales for name in mxfp4.values()}
+        for key, shape in headers.shapes.items():
+            if key in mxfp4:
+                name = mxfp4[key]
+                self.shapes[name], self.dense[name] = params[name], dense
+                self.st_dtypes[name] = ST_NAMES[dense]
+            elif key not in scales:
+                self.shapes[key], self.st_dtypes[key] = shape, headers.dtypes[key]
+        # per-expert or stacked tensors of experts with LoRA: key -> (parameter, its piece)
+        self.expert_pieces = {piece.key: (name, piece) for name, pieces in self.plan.items()
+                              if name in self.deltas and name.endswith(EXPERT_PROJECTIONS)
+                              and name not in self.dense for piece in pieces}
+
+    def _check_delta(self, key, a, b, shapes, params) -> None:
+        where = self.adapter_dir
+        if key.endswith(EXPERT_PROJECTIONS):
+            if key not in params:
+                raise unmatched(where, key)
+            E, d1, d2 = params[key]
+            n_in, n_out = (d1, d2) if self.config.moe.transposed else (d2, d1)
+            if (a.dim() != 3 or b.dim() != 3 or a.shape[0] != E or b.shape[0] != E
+                    or a.shape[2] != n_in or b.shape[1] != n_out or a.shape[1] != b.shape[2]):
+                raise LeantuneError(f"{where}: {key}: lora_A {tuple(a.shape)} and lora_B "
+                                    f"{tuple(b.shape)} do not fit the experts {params[key]}; "
+                                    "is it the adapter of another model?")
+            return
+        if key not in shapes:
+            raise unmatched(where, key)
+        if a.dim() != 2 or b.dim() != 2 or (b.shape[0], a.shape[1]) != shapes[key] \
+                or a.shape[0] != b.shape[1]:
+            raise LeantuneError(f"{where}: {key}: lora_A {tuple(a.shape)} and lora_B "
+                                f"{tuple(b.shape)} do not fit the base weight {shapes[key]}; "
+                                "is it the adapter of another model?")
 
     def names(self) -> list[str]:
         return list(self.shapes)
+
+    def _expert_delta(self, name: str, expert: int | None = None) -> torch.Tensor:
+        """scaling * B_e @ A_e in the parameter's layout: all experts [E, ...], or one."""
+        a, b = self.deltas[name]
+        if expert is None:
+            d = torch.bmm(b.float(), a.float())
+        else:
+            d = b[expert].float() @ a[expert].float()
+        return (d.transpose(-1, -2) if self.config.moe.transposed else d) * self.scaling
 
     def tensor(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Tensor `key`, merged with its adapter pair (in fp32) if it has one, cast to `dtype`
         (float tensors only; default: the base tensor's dtype)."""
         from safetensors import safe_open
 
+        if key in self.dense:  # an MXFP4 expert parameter with LoRA, dequantised
+            piece = self.plan[key][0]
+            t = torch.empty(self.shapes[key], dtype=torch.float32)
+            with safe_open(str(self.files[piece.key]), framework="pt", device="cpu") as sf, \
+                    safe_open(str(self.files[piece.scales]), framework="pt", device="cpu") as sc:
+                read_piece_into(t, piece, sf, sc)
+            if key in self.deltas:
+                t += self._expert_delta(key)
+            return t.to(dtype or self.dense[key])
         with safe_open(str(self.files[key]), framework="pt", device="cpu") as sf:
             t = sf.get_tensor(key)
+        if key in self.expert_pieces:
+            name, piece = self.expert_pieces[key]
+            if piece.expert is None:
+                delta = self._expert_delta(name)
+            else:
+                delta = self._expert_delta(name, piece.expert)
+                delta = delta if piece.rows is None else delta[piece.rows[0]:piece.rows[1]]
+            return (t.float() + delta).to(dtype or t.dtype)
         if key in self.deltas:
             a, b = self.deltas[key]
             return (t.float() + (b.float() @ a.float()) * self.scaling).to(dtype or t.dtype)
@@ -187,6 +253,8 @@ def export_merged(model: str | os.PathLike, adapter_dir: str | os.PathLike | Non
         config = json.loads((src / "config.json").read_text())
         if out_dtype is not None:
             set_config_dtype(config, dtype)
+        if weights.dequantised:
+            config.pop("quantization_config", None)
         atomic_write_json(tmp / "config.json", config)
         copy_side_files(src, tmp)
         if adapter is not None and adapter.is_dir():  # a base without tokenizer files: the

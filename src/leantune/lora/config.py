@@ -1,4 +1,5 @@
-"""LoRA settings and attaching adapters to a model."""
+"""LoRA settings and attaching adapters to a model: LoRALinear projections by name, and (target
+`experts`) the stacked expert weights of mixture-of-experts layers (model/moe.py Experts)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ from .layer import LoRALinear
 # Short target names -> module names (HF / PEFT spelling).
 TARGETS = {
     "q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
-    "gate": "gate_proj", "up": "up_proj", "down": "down_proj",
+    "gate": "gate_proj", "up": "up_proj", "down": "down_proj", "experts": "experts",
 }
-ALL_TARGETS = list(TARGETS.values())
+EXPERTS = "experts"  # both stacked projections of every MoE layer's experts
+ALL_TARGETS = [t for t in TARGETS.values() if t != EXPERTS]  # the default (experts: opt-in)
+_ORDER = [*ALL_TARGETS, EXPERTS]
+MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 
 @dataclass
@@ -33,6 +37,10 @@ class LoRAConfig:
                                 "choice)")
         if not 0.0 <= self.dropout < 1.0:
             raise LeantuneError(f"--lora-dropout must be in [0, 1), got {self.dropout}")
+        if self.dropout > 0 and EXPERTS in self.targets:
+            raise LeantuneError("--lora-dropout: LoRA on the experts has no dropout (PEFT cannot "
+                                "load it with one); use --lora-dropout 0, or leave experts out "
+                                "of --lora-targets")
 
 
 def normalize_targets(targets) -> list[str]:
@@ -43,19 +51,28 @@ def normalize_targets(targets) -> list[str]:
     for t in targets:
         t = t.strip()
         name = TARGETS.get(t, t)
-        if name not in ALL_TARGETS:
+        if name not in _ORDER:
             raise LeantuneError(f"--lora-targets: unknown LoRA target {t!r}; choose from "
                                 f"{', '.join(TARGETS)} (or {', '.join(ALL_TARGETS)})")
         out.append(name)
     if not out:
         raise LeantuneError("--lora-targets: no target given; e.g. --lora-targets q,k,v,o")
-    return sorted(set(out), key=ALL_TARGETS.index)
+    return sorted(set(out), key=_ORDER.index)
 
 
 def lora_layers(model, targets: list[str] | None = None):
     """(qualified name, LoRALinear) for every projection whose short name is in targets."""
     for name, mod in model.named_modules():
         if isinstance(mod, LoRALinear) and (targets is None or name.rsplit(".", 1)[-1] in targets):
+            yield name, mod
+
+
+def expert_layers(model):
+    """(qualified name, Experts) for every MoE layer's experts."""
+    from ..model.moe import Experts  # (the model imports this package)
+
+    for name, mod in model.named_modules():
+        if isinstance(mod, Experts):
             yield name, mod
 
 
@@ -73,8 +90,26 @@ def apply_lora(model, cfg: LoRAConfig, seed: int | None = None,
         p.requires_grad_(False)
     names = []
     for name, layer in lora_layers(model, cfg.targets):
+        if model.config.model_type == "qwen3_moe" and name.endswith(MLP_NAMES):
+            # PEFT on transformers 5 reads these names as the experts' (fused) projections
+            raise LeantuneError(
+                f"--lora-targets: this Qwen3-MoE model has dense MLP layers ({name}), whose "
+                "gate/up/down LoRA a PEFT adapter cannot hold (PEFT maps those names to the "
+                "experts); leave gate, up and down out, e.g. --lora-targets q,k,v,o,experts")
         layer.add_lora(cfg.r, cfg.alpha, cfg.dropout, cfg.use_rslora, dtype=dtype)
         names.append(name)
+    if EXPERTS in cfg.targets:
+        experts = list(expert_layers(model))
+        if not experts:
+            raise LeantuneError("--lora-targets: experts given, but the model has no experts "
+                                "(it is not a mixture-of-experts model)")
+        for name, layer in experts:
+            layer.add_lora(cfg.r, cfg.alpha, cfg.use_rslora, dtype=dtype)
+            names.append(name)
+    if not names:
+        raise LeantuneError(f"--lora-targets {','.join(cfg.targets)}: the model has none of these "
+                            "projections" + (" (its MLPs are experts: add experts)"
+                                             if model.config.moe else ""))
     model.lora_config = cfg
     return names
 

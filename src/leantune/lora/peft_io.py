@@ -4,45 +4,141 @@ adapter_model.safetensors holds `base_model.model.<module>.lora_A.weight` [r, in
 `...lora_B.weight` [out, r]; adapter_config.json is PEFT's LoraConfig. Files written here load
 with `peft.PeftModel.from_pretrained` on the transformers model, and PEFT-trained adapters load
 here.
+
+LoRA on MoE experts targets transformers 5.x's stacked expert parameters through PEFT's
+`target_parameters` (mlp.experts.gate_up_proj, mlp.experts.down_proj). PEFT wraps the experts
+module once per parameter, in the order the module registers them, so the first (gate_up_proj)
+is saved as `<experts>.base_layer.lora_*` and the last (down_proj) as `<experts>.lora_*`; its
+tensors are 2-D: lora_A [E * r, in] (expert-major rows) and lora_B [out, r * E] (rank-major
+columns), which are our A [E, r, in] and B [E, out, r] reshaped. Such an adapter does not load on
+transformers 4.x, whose experts were separate modules.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
 
 from ..errors import LeantuneError
-from .config import ALL_TARGETS, LoRAConfig, apply_lora, lora_layers
+from .config import ALL_TARGETS, EXPERTS, LoRAConfig, apply_lora, expert_layers, lora_layers
 
 PREFIX = "base_model.model."
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
+EXPERT_PROJECTIONS = ("gate_up_proj", "down_proj")  # model/moe.py Experts, in registration order
+TARGET_PARAMETERS = [f"mlp.experts.{p}" for p in EXPERT_PROJECTIONS]
+_PEFT_EXPERTS = re.compile(r"(.*\.experts)((?:\.base_layer)*)")
 
 
-def parse_key(key: str) -> tuple[str, str]:
-    """A PEFT adapter tensor name -> (module name as in the model, "A" or "B"), e.g.
-    "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" ->
-    ("model.layers.0.self_attn.q_proj", "A"); PEFT's in-memory adapter name (".default.")
-    is dropped."""
+def parse_key(key: str) -> tuple[str, str, bool]:
+    """A LoRA tensor name -> (the name of the base tensor it adapts, "A" or "B", whether it is
+    PEFT's 2-D form of a stacked experts' LoRA). Takes PEFT adapter names and our own
+    parameter names (training checkpoints), e.g.
+        base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight
+            -> model.layers.0.self_attn.q_proj.weight, "A", False
+        base_model.model.model.layers.0.mlp.experts.base_layer.lora_B.weight
+            -> model.layers.0.mlp.experts.gate_up_proj, "B", True
+        model.layers.0.mlp.experts.lora_A.down_proj  -> model.layers.0.mlp.experts.down_proj
+    PEFT's in-memory adapter name (".default.") is dropped."""
     name = key[len(PREFIX):] if key.startswith(PREFIX) else key
     mod, _, which = name.replace(".default.", ".").rpartition(".lora_")
-    return mod, "A" if which.startswith("A") else "B"
+    ab = "A" if which.startswith("A") else "B"
+    suffix = which[2:]  # "weight", or a projection of our stacked experts
+    if suffix in EXPERT_PROJECTIONS:
+        return f"{mod}.{suffix}", ab, False
+    m = _PEFT_EXPERTS.fullmatch(mod)
+    if m:
+        depth = m[2].count(".base_layer")
+        if depth < len(EXPERT_PROJECTIONS):
+            return f"{m[1]}.{EXPERT_PROJECTIONS[-1 - depth]}", ab, True
+    return f"{mod}.weight", ab, False
+
+
+def peft_name(base: str, ab: str) -> str:
+    """PEFT's tensor name for the A or B of the LoRA on base tensor `base` (parse_key's
+    inverse)."""
+    mod, _, proj = base.rpartition(".")
+    if proj in EXPERT_PROJECTIONS:
+        depth = len(EXPERT_PROJECTIONS) - 1 - EXPERT_PROJECTIONS.index(proj)
+        mod += ".base_layer" * depth
+    return f"{PREFIX}{mod}.lora_{ab}.weight"
+
+
+def to_peft(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked expert LoRA A [E, r, in], B [E, out, r] -> PEFT's [E * r, in], [out, r * E]."""
+    return a.flatten(0, 1), b.permute(1, 2, 0).flatten(1)
+
+
+def from_peft(a: torch.Tensor, b: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """PEFT's [E * r, in], [out, r * E] -> stacked A [E, r, in], B [E, out, r]."""
+    E = a.shape[0] // r
+    return a.view(E, r, a.shape[1]), b.view(b.shape[0], r, E).permute(2, 0, 1)
+
+
+def adapted_tensors(model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{base tensor name: (A, B) parameters} of every adapter attached to `model`."""
+    out = {}
+    for name, layer in lora_layers(model):
+        if layer.has_lora:
+            out[f"{name}.weight"] = (layer.lora_A.weight, layer.lora_B.weight)
+    for name, layer in expert_layers(model):
+        for proj in layer.lora_A:
+            out[f"{name}.{proj}"] = (layer.lora_A[proj], layer.lora_B[proj])
+    return out
+
+
+def lora_pairs(tensors: dict[str, torch.Tensor], r: int,
+               where: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{base tensor name: (A, B)} in the model's layout from the tensors of an adapter file
+    (PEFT names) or a training checkpoint (our names)."""
+    pairs: dict[str, list] = {}
+    peft_experts = set()
+    for key, t in tensors.items():
+        base, ab, peft_expert = parse_key(key)
+        pairs.setdefault(base, [None, None])[ab == "B"] = t
+        if peft_expert:
+            peft_experts.add(base)
+    for base, (a, b) in pairs.items():
+        if a is None or b is None:
+            raise LeantuneError(f"{where}: {base} has only one of lora_A / lora_B")
+        if base in peft_experts:
+            if a.dim() != 2 or b.dim() != 2 or a.shape[0] % r or b.shape[1] != a.shape[0]:
+                raise LeantuneError(f"{where}: {base}: lora_A {tuple(a.shape)} and lora_B "
+                                    f"{tuple(b.shape)} are not a rank-{r} expert adapter")
+            pairs[base] = list(from_peft(a, b, r))
+    return {k: (a, b) for k, (a, b) in pairs.items()}
+
+
+def unmatched(where, base: str) -> LeantuneError:
+    """The error for an adapter tensor whose base tensor `base` the model does not have."""
+    if re.search(r"\.experts\.\d+\.", base):
+        return LeantuneError(f"{where}: {base}: an adapter of separate expert modules "
+                             "(transformers 4.x); leantune reads expert adapters in transformers "
+                             "5.x's stacked form (PEFT target_parameters)")
+    return LeantuneError(f"{where}: adapter layers not found in the base model (e.g. {base}); "
+                         "is it the adapter of another model?")
 
 
 def adapter_state_dict(model) -> dict[str, torch.Tensor]:
     """PEFT-named LoRA tensors (contiguous, on the CPU)."""
     out = {}
-    for name, layer in lora_layers(model):
-        if layer.has_lora:
-            out[f"{PREFIX}{name}.lora_A.weight"] = layer.lora_A.weight.detach().cpu().contiguous()
-            out[f"{PREFIX}{name}.lora_B.weight"] = layer.lora_B.weight.detach().cpu().contiguous()
+    for base, (a, b) in adapted_tensors(model).items():
+        a, b = a.detach().cpu(), b.detach().cpu()
+        if a.dim() == 3:
+            a, b = to_peft(a, b)
+        out[peft_name(base, "A")] = a.contiguous()
+        out[peft_name(base, "B")] = b.contiguous()
     return out
 
 
-def peft_config_dict(cfg: LoRAConfig, base_model_name: str | None) -> dict:
+def peft_config_dict(cfg: LoRAConfig, base_model_name: str | None, modules: list[str]) -> dict:
+    """PEFT's LoraConfig for `cfg`; `modules`: the short names of the projections adapted,
+    written as target_modules (not every target asked for: PEFT on transformers 5 reads a name
+    such as gate_proj that a MoE model has no module of as its experts' projection)."""
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -50,7 +146,8 @@ def peft_config_dict(cfg: LoRAConfig, base_model_name: str | None) -> dict:
         "r": cfg.r,
         "lora_alpha": cfg.alpha,
         "lora_dropout": cfg.dropout,
-        "target_modules": list(cfg.targets),
+        "target_modules": modules,
+        "target_parameters": TARGET_PARAMETERS if EXPERTS in cfg.targets else None,
         "use_rslora": cfg.use_rslora,
         "bias": "none",
         "fan_in_fan_out": False,
@@ -73,7 +170,9 @@ def save_adapter(model, out_dir: str | os.PathLike, base_model_name: str | None 
         raise LeantuneError("the model has no LoRA adapter to save (trained with --full?)")
     with atomic_path(out / ADAPTER_WEIGHTS) as tmp:
         save_file(adapter_state_dict(model), str(tmp), metadata={"format": "pt"})
-    atomic_write_json(out / ADAPTER_CONFIG, peft_config_dict(cfg, base_model_name))
+    modules = {name.rsplit(".", 1)[-1] for name, layer in lora_layers(model) if layer.has_lora}
+    atomic_write_json(out / ADAPTER_CONFIG, peft_config_dict(
+        cfg, base_model_name, [t for t in ALL_TARGETS if t in modules]))
 
 
 def read_adapter_config(adapter_dir: Path) -> LoRAConfig:
@@ -87,9 +186,17 @@ def read_adapter_config(adapter_dir: Path) -> LoRAConfig:
         raise LeantuneError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
     if not isinstance(d, dict):
         raise LeantuneError(f"{path}: expected a JSON object, got {type(d).__name__}")
-    targets = d.get("target_modules") or ALL_TARGETS
+    targets = d.get("target_modules") or ([] if d.get("target_parameters") else ALL_TARGETS)
     if isinstance(targets, str):  # PEFT allows a regex string; we take the simple names in it
         targets = [t for t in ALL_TARGETS if t in targets]
+    params = d.get("target_parameters") or []
+    if params:
+        projections = {p.rsplit(".", 1)[-1] for p in params}
+        if projections != set(EXPERT_PROJECTIONS):
+            raise LeantuneError(f"{path}: target_parameters {params}: leantune adapts the "
+                                "experts' gate_up_proj and down_proj together (mlp.experts."
+                                "gate_up_proj, mlp.experts.down_proj), not other parameters")
+        targets = [*targets, EXPERTS]
     try:
         return LoRAConfig(r=int(d["r"]), alpha=float(d.get("lora_alpha", d["r"])),
                           dropout=float(d.get("lora_dropout", 0.0)), targets=targets,
@@ -124,21 +231,18 @@ def attach_adapter(model, cfg: LoRAConfig, path: Path) -> None:
     except Exception as e:
         raise LeantuneError(f"{path}: cannot read adapter weights ({type(e).__name__}); the file "
                             "is truncated or corrupt") from None
-    layers = dict(lora_layers(model))
-    filled = 0
-    for key, t in tensors.items():
-        mod_name, which = parse_key(key)
-        layer = layers.get(mod_name)
-        if layer is None or not layer.has_lora:
-            raise LeantuneError(f"{path}: tensor {key} does not match any adapted layer of "
-                                "this model; is it the adapter of another base model?")
-        target = layer.lora_A if which == "A" else layer.lora_B
-        if target.weight.shape != t.shape:
-            raise LeantuneError(f"{path}: {key} has shape {tuple(t.shape)}, expected "
-                                f"{tuple(target.weight.shape)}; is it the adapter of another "
-                                "base model?")
-        target.weight.copy_(t)
-        filled += 1
-    if filled != 2 * sum(1 for l in layers.values() if l.has_lora):
-        raise LeantuneError(f"{path}: adapter holds {filled} tensors, expected "
-                            f"{2 * sum(1 for l in layers.values() if l.has_lora)}")
+    targets = adapted_tensors(model)
+    pairs = lora_pairs(tensors, cfg.r, path)
+    for base, pair in pairs.items():
+        if base not in targets:
+            raise unmatched(path, base)
+        for ab, param, t in zip("AB", targets[base], pair):
+            if param.shape != t.shape:
+                raise LeantuneError(f"{path}: {peft_name(base, ab)} has shape "
+                                    f"{tuple(t.shape)}, expected {tuple(param.shape)}; is it "
+                                    "the adapter of another base model?")
+            param.copy_(t)
+    if len(pairs) != len(targets):
+        raise LeantuneError(f"{path}: adapter holds {2 * len(pairs)} tensors, expected "
+                            f"{2 * len(targets)}")
+    return cfg

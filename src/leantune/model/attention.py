@@ -14,6 +14,15 @@ it; nothing here reads device memory back to the host. Paths:
   device (`cache_attention`), so a decode step has static shapes and reads nothing back.
 Sliding-window layers (Mistral) attend to the previous `window` tokens including themselves.
 
+Attention sinks (gpt-oss): a learned logit per head joins every softmax's denominator and
+attends to nothing, so a query may give less than all of its weight to the keys. Neither SDPA
+nor varlen_attn takes one, so models with sinks always take the mask path, where the softmax is
+computed here with the sink as an extra column (`_sink_attention`): correct on any device, but
+the slow path (the scores [B, Hq, T, T] in fp32). A fast path needs the softmax statistics:
+with a kernel's log-sum-exp L per (token, head), sink attention = flash attention's output *
+sigmoid(L - sink), so flash varlen with its LSE (the engine's attention backends keep it), or
+flex attention, can do it later.
+
 The hand-written layer backward (leantune.engine) has attention backends of its own that keep
 the softmax statistics for backward; they read the same metadata.
 """
@@ -59,11 +68,17 @@ class AttentionMeta:
     @classmethod
     def build(cls, batch_shape: tuple[int, int], device: torch.device, seq_lens: list[int] | None,
               cu_seqlens: torch.Tensor | None, max_seqlen: int, windows: set,
-              dtype: torch.dtype = torch.bfloat16, path: str | None = None) -> "AttentionMeta":
+              dtype: torch.dtype = torch.bfloat16, path: str | None = None,
+              sinks: bool = False) -> "AttentionMeta":
         """Metadata for a [B, T] batch whose segments have the host-side lengths `seq_lens`
-        (None: one document per row). `path` forces a path (tests, benchmarks); None chooses."""
+        (None: one document per row). `path` forces a path (tests, benchmarks); None chooses.
+        `sinks`: the model has attention sinks (only the mask path computes them)."""
         B, T = batch_shape
         single_doc = seq_lens is None or len(seq_lens) == B
+        if sinks:
+            if path not in (None, "mask"):
+                raise ValueError(f"attention sinks need the mask path, not {path!r}")
+            path = "mask"
         if path is None:
             if device.type == "cuda" and HAS_VARLEN and dtype in (torch.float16, torch.bfloat16):
                 path = "varlen"
@@ -139,11 +154,31 @@ def cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     return out.view(B, Hk, rep, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta,
-              window: int | None, scale: float) -> torch.Tensor:
-    """Causal attention within documents. q: [B, T, Hq, D], k/v: [B, T, Hk, D] -> [B, T, Hq, D]
-    (the "cache" path: k/v are the cache's [B, S, Hk, D])."""
+def _sink_attention(q, k, v, mask, sinks, scale):
+    """Softmax attention whose denominator has one more logit per head, `sinks` [Hq], which
+    attends to nothing. q: [B, T, Hq, D], k/v: [B, T, Hk, D], mask: bool [B, 1, T, T]
+    -> [B, T, Hq, D]. The softmax runs in fp32."""
     B, T, Hq, D = q.shape
+    rep = Hq // k.shape[2]
+    if rep > 1:
+        k, v = repeat_kv_heads(k, rep), repeat_kv_heads(v, rep)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(1, Hq, 1, 1).expand(B, Hq, T, 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.einsum("bhqk,bkhd->bqhd", probs.to(v.dtype), v)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta,
+              window: int | None, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention within documents. q: [B, T, Hq, D], k/v: [B, T, Hk, D] -> [B, T, Hq, D]
+    (the "cache" path: k/v are the cache's [B, S, Hk, D]). `sinks` [Hq]: attention sinks
+    (module docstring; the mask and cache paths only)."""
+    B, T, Hq, D = q.shape
+    if sinks is not None:
+        if meta.path not in ("mask", "cache"):
+            raise ValueError("attention sinks need AttentionMeta built with sinks=True")
+        return _sink_attention(q, k, v, meta.masks[window], sinks, scale)
     if meta.path == "cache":
         return cache_attention(q, k, v, meta.masks[window], scale)
     if meta.path == "causal" or (meta.path == "varlen" and meta.one_document_rows

@@ -1,4 +1,5 @@
-"""The layers of the one decoder-only transformer: RMSNorm, Attention, MLP, DecoderLayer.
+"""The layers of the one decoder-only transformer: RMSNorm, Attention, MLP, DecoderLayer (whose
+MLP is a MoEBlock, model/moe.py, in the sparse layers of mixture-of-experts families).
 
 Shapes: x [B, T, H] (H = hidden_size); q [B, T, Hq, D], k/v [B, T, Hk, D] (D = head_dim).
 Module and parameter names mirror Hugging Face's (self_attn.q_proj, mlp.gate_proj, ...), so
@@ -19,6 +20,7 @@ from .. import kernels
 from ..lora.layer import LoRALinear
 from .attention import AttentionMeta, attention
 from .config import ModelConfig
+from .moe import MoEBlock
 
 
 class RMSNorm(nn.Module):
@@ -35,7 +37,7 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     """q/k/v projections (bias: Qwen2), per-head q/k RMSNorm (Qwen3), RoPE, causal attention
-    within documents (sliding window: Mistral), o projection."""
+    within documents (sliding window: Mistral; sinks [Hq]: gpt-oss), o projection."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -51,6 +53,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
         else:
             self.q_norm = self.k_norm = None
+        self.sinks = (nn.Parameter(torch.empty(cfg.num_attention_heads))
+                      if cfg.attention_sinks else None)
         self.window = cfg.window_for_layer(layer_idx)
         self.scale = cfg.head_dim ** -0.5
         self.layer_idx = layer_idx  # which buffers of a KV cache are this layer's
@@ -66,7 +70,7 @@ class Attention(nn.Module):
         q, k = kernels.apply_rope(q, k, cos, sin)
         if meta.kv_cache is not None:  # generation: keep the new k/v, attend over all cached
             k, v = meta.kv_cache.update(self.layer_idx, k, v)
-        out = attention(q, k, v, meta, self.window, self.scale)
+        out = attention(q, k, v, meta, self.window, self.scale, self.sinks)
         return self.o_proj(out.reshape(B, T, -1))
 
 
@@ -86,7 +90,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """x -> x + attn(norm1(x)) -> h + mlp(norm2(h)).
+    """x -> x + attn(norm1(x)) -> h + mlp(norm2(h)); mlp: MLP, or MoEBlock in a sparse layer.
 
     `executor`: None (plain autograd), or an object the engine sets, called as
     executor(layer, x, cos, sin, meta) while gradients are recorded; it computes the same
@@ -98,7 +102,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
-        self.mlp = MLP(cfg)
+        self.mlp = MoEBlock(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg)
         self.executor = None
 
     def forward(self, x, cos, sin, meta: AttentionMeta):

@@ -1,8 +1,9 @@
 """Loading Hugging Face checkpoints into CausalLM.
 
 The model is built on the meta device (no memory), given empty storage on the target device, and
-filled shard by shard with safetensors' lazy `safe_open`, one tensor at a time; host memory peaks
-near one tensor, not the whole model.
+filled with safetensors' lazy `safe_open`, one tensor at a time, following the weight plan
+(model/weight_map.py: which checkpoint tensors fill which parameter, e.g. per-expert or MXFP4
+expert weights into stacked ones); host memory peaks near one tensor, not the whole model.
 """
 
 from __future__ import annotations
@@ -12,11 +13,15 @@ import os
 import re
 from pathlib import Path
 
+from contextlib import ExitStack
+from dataclasses import dataclass
+
 import torch
 
 from ..errors import LeantuneError
 from .config import ModelConfig
 from .transformer import CausalLM
+from .weight_map import plan_weights, read_piece_into
 
 # What a hub download fetches. Weights: the files transformers loads (model.safetensors or the
 # shards of model.safetensors.index.json), not every *.safetensors: Mistral repos, for one, also
@@ -108,33 +113,68 @@ def build_empty(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> C
     return model
 
 
-@torch.no_grad()
-def load_safetensors_into(model: CausalLM, files: list[Path]) -> None:
-    """Copy every tensor of `files` into the parameter of the same name; all must be filled."""
+@dataclass
+class Headers:
+    """What the safetensors headers of a checkpoint say, per tensor name: its shape, its dtype
+    (safetensors' string: "BF16", "F32", "U8", ...) and its file."""
+
+    shapes: dict[str, tuple[int, ...]]
+    dtypes: dict[str, str]
+    files: dict[str, Path]
+
+
+def read_headers(files: list[Path]) -> Headers:
+    """The headers of `files` (no tensor data is read)."""
     from safetensors import safe_open
 
-    params = dict(model.named_parameters())
-    missing = {n for n in params if "lora_" not in n}
+    h = Headers({}, {}, {})
     for f in files:
         try:
             with safe_open(str(f), framework="pt", device="cpu") as sf:
-                for key in sf.keys():
-                    if key not in params:
-                        continue  # a tied head saved anyway, rotary buffers of old checkpoints
-                    t = sf.get_tensor(key)
-                    p = params[key]
-                    if t.shape != p.shape:
-                        raise LeantuneError(f"{f}: tensor {key} has shape {tuple(t.shape)}, "
-                                            f"config.json implies {tuple(p.shape)}")
-                    p.copy_(t, non_blocking=False)
-                    missing.discard(key)
-        except LeantuneError:
-            raise
+                for key in sf.keys():  # noqa: SIM118  (a safetensors handle, not a dict)
+                    sl = sf.get_slice(key)
+                    h.shapes[key], h.dtypes[key], h.files[key] = (
+                        tuple(sl.get_shape()), sl.get_dtype(), f)
         except Exception as e:
-            raise LeantuneError(f"{f}: cannot read safetensors file ({type(e).__name__}: "
-                                f"{str(e)[:120]}); the file is truncated or corrupt, "
-                                "re-download it") from None
-    if missing:
-        example = sorted(missing)[0]
-        raise LeantuneError(f"{files[0].parent}: {len(missing)} weights missing from the "
-                            f"checkpoint (e.g. {example}); the download is incomplete")
+            raise _unreadable(f, e) from None
+    return h
+
+
+def _unreadable(f: Path, e: Exception) -> LeantuneError:
+    return LeantuneError(f"{f}: cannot read safetensors file ({type(e).__name__}: "
+                         f"{str(e)[:120]}); the file is truncated or corrupt, re-download it")
+
+
+def plan_checkpoint(model: CausalLM, files: list[Path], headers: Headers | None = None):
+    """(the weight plan of `files` for `model`'s parameters (model/weight_map.py), the
+    tensors' files); checks names and shapes from the headers alone."""
+    h = headers or read_headers(files)
+    params = {n: tuple(p.shape) for n, p in model.named_parameters() if "lora_" not in n}
+    return plan_weights(model.config.model_type, params, h.shapes, h.files,
+                        files[0].parent), h.files
+
+
+@torch.no_grad()
+def load_safetensors_into(model: CausalLM, files: list[Path]) -> None:
+    """Fill every parameter from the checkpoint tensors the weight plan names (a tied head or
+    rotary buffers saved anyway are not read); one tensor (or one MXFP4 expert) at a time."""
+    from safetensors import safe_open
+
+    plan, file_of = plan_checkpoint(model, files)
+    params = dict(model.named_parameters())
+    with ExitStack() as stack:
+        handles: dict[Path, object] = {}
+
+        def handle(key: str):
+            f = file_of[key]
+            if f not in handles:
+                handles[f] = stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
+            return handles[f]
+
+        for name, pieces in plan.items():
+            for piece in pieces:
+                try:
+                    read_piece_into(params[name], piece, handle(piece.key),
+                                    handle(piece.scales) if piece.scales else None)
+                except Exception as e:
+                    raise _unreadable(file_of[piece.key], e) from None

@@ -34,8 +34,45 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None,
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled), 1.0
+    if rtype == "yarn":
+        return _yarn(inv, head_dim, theta, scaling)
     raise LeantuneError(f"config.json: rope scaling type {rtype!r} is not supported yet "
-                        "(supported: default, linear, llama3)")
+                        "(supported: default, linear, llama3, yarn)")
+
+
+def _yarn(inv: torch.Tensor, head_dim: int, theta: float,
+          scaling: dict) -> tuple[torch.Tensor, float]:
+    """YaRN (Peng et al. 2023, "YaRN: Efficient Context Window Extension"): frequencies that
+    turn fewer than `beta_slow` times over the original context are interpolated (divided by
+    `factor`), those that turn more than `beta_fast` times are kept, with a linear ramp between;
+    cos/sin are scaled by 0.1 ln(factor) + 1 (or the mscale ratio, or `attention_factor`).
+    `truncate` (default true) rounds the ramp's ends to whole dimensions."""
+    factor = float(scaling["factor"])
+    old_ctx = float(scaling["original_max_position_embeddings"])
+    beta_fast = float(scaling.get("beta_fast") or 32.0)
+    beta_slow = float(scaling.get("beta_slow") or 1.0)
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = mscale(m) / mscale(m_all) if m and m_all else mscale()
+
+    def dim_of(turns: float) -> float:  # the dimension whose frequency turns `turns` times
+        return head_dim * math.log(old_ctx / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device=inv.device) - low)
+            / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: the original frequency, 0: interpolated
+    return inv / factor * (1 - keep) + inv * keep, float(attention)
 
 
 def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float,

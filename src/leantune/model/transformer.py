@@ -5,7 +5,8 @@
     never materialised whole)
 
 Per-batch work (RoPE cos/sin, attention metadata) is done once in `CausalLM.hidden_states` and
-handed to every layer. Parameter names mirror Hugging Face's (model.embed_tokens,
+handed to every layer. Mixture-of-experts models can also return the router's load-balancing
+loss (`router_aux_loss`). Parameter names mirror Hugging Face's (model.embed_tokens,
 model.layers.N...., lm_head), so checkpoints load and export by name.
 """
 
@@ -23,6 +24,7 @@ from ..kernels.embedding import embedding_lookup
 from .attention import AttentionMeta
 from .config import ModelConfig
 from .layers import DecoderLayer, RMSNorm
+from .moe import MoEBlock, load_balancing_loss
 from .rope import rope_cos_sin, rope_inv_freq
 
 
@@ -41,6 +43,7 @@ class CausalLMOutput:
     logits: torch.Tensor | None = None    # [B, T, V]
     loss: torch.Tensor | None = None      # mean next-token loss (with `labels`)
     loss_sum: torch.Tensor | None = None  # summed fp32 next-token loss over a PackedBatch
+    aux_loss: torch.Tensor | None = None  # MoE load-balancing loss (with `router_aux_loss`)
 
 
 class CausalLM(nn.Module):
@@ -59,6 +62,9 @@ class CausalLM(nn.Module):
         # bytes of logits the fused cross-entropy computes at a time (None: its default); the
         # trainer lowers it where memory is short
         self.loss_chunk_bytes: int | None = None
+        # MoE: forward also returns the router's load-balancing loss as `aux_loss`, over all
+        # tokens of the batch (padding included, as transformers without an attention mask)
+        self.router_aux_loss = False
         self._rope_cache: dict = {}
 
     # --- structure -------------------------------------------------------------------------
@@ -125,7 +131,7 @@ class CausalLM(nn.Module):
                 cu_seqlens=batch.cu_seqlens if batch is not None else None,
                 max_seqlen=batch.max_seqlen if batch is not None else T,
                 windows={layer.self_attn.window for layer in self.layers}, dtype=x.dtype,
-                path=self.attention_path)
+                path=self.attention_path, sinks=self.config.attention_sinks)
         for layer in self.layers:
             x = layer(x, cos, sin, meta)
         return self.model.norm(x)
@@ -141,19 +147,38 @@ class CausalLM(nn.Module):
         `forward`, see the whole step."""
         if batch is not None:
             input_ids, position_ids = batch.input_ids, batch.position_ids
-        h = self.hidden_states(input_ids, position_ids, batch)
+        h, aux = self._hidden_states_and_aux(input_ids, position_ids, batch)
         if loss_only:
             if batch is None:
                 raise ValueError("loss_only needs a PackedBatch (its labels are pre-shifted)")
             return CausalLMOutput(loss_sum=kernels.fused_linear_cross_entropy(
                 h.flatten(0, 1), self.output_weight(), batch.labels.flatten(),
-                chunk_bytes=self.loss_chunk_bytes))
+                chunk_bytes=self.loss_chunk_bytes), aux_loss=aux)
         logits = F.linear(h, self.output_weight())
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
                                    ignore_index=IGNORE_INDEX)
-        return CausalLMOutput(logits=logits, loss=loss)
+        return CausalLMOutput(logits=logits, loss=loss, aux_loss=aux)
+
+    def _hidden_states_and_aux(self, input_ids, position_ids, batch):
+        """hidden_states, and the load-balancing loss when `router_aux_loss` is on (else None).
+        The MoE blocks compute their router statistics in every pass while it is on (so a
+        recompute in backward runs the same ops) and hand them over only in this forward."""
+        blocks = [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoEBlock)]
+        for b in blocks:
+            b.record_router_stats = self.router_aux_loss
+        if not (self.router_aux_loss and blocks):
+            return self.hidden_states(input_ids, position_ids, batch), None
+        for b in blocks:
+            b.router_stats = []
+        try:
+            h = self.hidden_states(input_ids, position_ids, batch)
+            stats = [s for b in blocks for s in b.router_stats]
+        finally:
+            for b in blocks:
+                b.router_stats = None
+        return h, load_balancing_loss(stats, input_ids.numel(), self.config.moe.num_experts)
 
     def forward_cached(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                        meta: AttentionMeta) -> torch.Tensor:

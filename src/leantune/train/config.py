@@ -34,6 +34,7 @@ class TrainConfig:
     lora_targets: str = "q,k,v,o,gate,up,down"
     use_rslora: bool = False
     full: bool = False
+    router_aux_loss_coef: float = 0.0  # MoE: weight of the router's load-balancing loss
     merge_at_end: bool = False  # LoRA: write OUTPUT/merged (base + adapter) at the end
     train_on_inputs: bool = False
     eval_data: str | None = None
@@ -78,7 +79,7 @@ class TrainConfig:
     # LoRA's settings: with --full they would be silently ignored, so they are refused
     LORA_KEYS = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets", "use_rslora")
     FLOAT_KEYS = ("lr", "weight_decay", "max_grad_norm", "epochs", "lora_alpha", "lora_dropout",
-                  "eval_fraction", "max_memory_gib")
+                  "eval_fraction", "max_memory_gib", "router_aux_loss_coef")
 
     def validate(self) -> "TrainConfig":
         for name in self.FLOAT_KEYS:
@@ -102,7 +103,7 @@ class TrainConfig:
         if self.save_every is not None and self.save_every <= 0:
             raise LeantuneError(f"--save-every must be a positive number of steps, got "
                                 f"{self.save_every}; leave it out to checkpoint only at the end")
-        for name in ("weight_decay", "max_grad_norm"):
+        for name in ("weight_decay", "max_grad_norm", "router_aux_loss_coef"):
             if getattr(self, name) < 0:
                 raise LeantuneError(f"{_flag(name)} must be 0 or more, got {getattr(self, name)}"
                                     + ("; 0 turns clipping off" if name == "max_grad_norm" else ""))

@@ -8,40 +8,19 @@ from pathlib import Path
 
 import torch
 
-from ..errors import LeantuneError
 from ..model.config import ModelConfig
-from ..model.loader import CHECKPOINT_PATTERNS, resolve_checkpoint, safetensors_files
+from ..model.loader import (CHECKPOINT_PATTERNS, plan_checkpoint, resolve_checkpoint,
+                            safetensors_files)
 from ..model.transformer import CausalLM
 
 
 def check_weights(folder: Path) -> None:
-    """Every weight the model needs is in a readable shard, with the shape config.json implies."""
-    from safetensors import safe_open
-
+    """Every weight the model needs is in a readable shard, with the shape config.json implies
+    (the loader's own weight plan, built from the headers)."""
     cfg = ModelConfig.from_file(folder / "config.json")
     with torch.device("meta"):
-        want = {n: tuple(p.shape) for n, p in CausalLM(cfg).named_parameters()}
-    files = safetensors_files(folder)
-    missing = set(want)
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt", device="cpu") as sf:
-                keys = list(sf.keys())
-                shapes = {key: tuple(sf.get_slice(key).get_shape()) for key in keys}
-        except Exception as e:
-            raise LeantuneError(f"{f}: cannot read safetensors file ({type(e).__name__}: "
-                                f"{str(e)[:120]}); the file is truncated or corrupt, "
-                                "re-download it") from None
-        for key, shape in shapes.items():
-            if key in want and shape != want[key]:
-                raise LeantuneError(f"{f}: tensor {key} has shape {shape}, config.json implies "
-                                    f"{want[key]}; the weights do not belong to this config.json "
-                                    "(re-download the model, or restore its config.json)")
-            missing.discard(key)
-    if missing:
-        raise LeantuneError(f"{folder}: {len(missing)} weights missing from the checkpoint "
-                            f"(e.g. {sorted(missing)[0]}); the download is incomplete: "
-                            "re-download the model")
+        model = CausalLM(cfg)
+    plan_checkpoint(model, safetensors_files(folder))
 
 
 def locate_model(name: str) -> Path:

@@ -121,10 +121,12 @@ class Trainer:
             model = load_model(weights, dtype=self.dtype, device=self.device)
         torch.manual_seed(cfg.seed)
         self.model = model
+        self._setup_router_aux_loss()
         self._setup_trainable()
         self._setup_optimizer()
         self.watch = NonFiniteWatch(self.device, loss_scaling=self.scaler is not None)
         self.step = 0
+        self.router_aux_loss = None  # the last step's (--router-aux-loss-coef), on the device
         self.tokens_seen = 0
         self.first_eval_loss = None
         self.saved_step = None  # the step of the last checkpoint this run wrote or resumed
@@ -218,6 +220,17 @@ class Trainer:
                  f"  [{'full' if cfg.full else 'LoRA r=%d' % cfg.lora_r}, {self.dtype}, "
                  f"{self.device}, activations: {policy}]")
 
+    def _setup_router_aux_loss(self) -> None:
+        """--router-aux-loss-coef > 0: the model also returns the router's load-balancing loss,
+        which train_step adds (as transformers does with output_router_logits)."""
+        if self.cfg.router_aux_loss_coef <= 0:
+            return
+        if self.model.config.moe is None:
+            raise LeantuneError(f"--router-aux-loss-coef: {self.cfg.model or 'the model'} is "
+                                f"not a mixture-of-experts model ({self.model.config.model_type})"
+                                "; leave the flag out")
+        self.model.router_aux_loss = True
+
     def _setup_data(self, train_data, eval_data, vocab: int) -> None:
         from ..data import PackedLoader, SFTDataset
 
@@ -291,7 +304,7 @@ class Trainer:
     # are checked by the loader and the checkpoint loader; the length, --max-steps / --epochs,
     # may change: that extends or shortens the run.)
     RESUME_MUST_MATCH = ("grad_accum", "lr", "weight_decay", "warmup_steps", "schedule",
-                         "max_grad_norm", "dtype", "train_on_inputs")
+                         "max_grad_norm", "dtype", "train_on_inputs", "router_aux_loss_coef")
 
     def _check_resumed_config(self, ckpt: Path, saved: dict) -> None:
         for key in self.RESUME_MUST_MATCH:
@@ -312,15 +325,23 @@ class Trainer:
 
     def train_step(self, micro_batches) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Forward/backward over the window, clip, step. Returns (loss sum, grad norm, tokens);
-        the tensors stay on the device (no host sync here)."""
+        the tensors stay on the device (no host sync here). With --router-aux-loss-coef the
+        router's load-balancing loss (its mean over the window: `router_aux_loss`) is added,
+        times the coefficient; the loss returned is the next-token loss alone."""
         n_target = max(1, sum(b.num_target_tokens for b in micro_batches))
         loss_total = torch.zeros((), device=self.device, dtype=torch.float32)
+        coef, aux_total = self.cfg.router_aux_loss_coef, None
         for b in micro_batches:
             b = b.to(self.device)
-            loss_sum = self.model(batch=b, loss_only=True).loss_sum
-            loss = loss_sum / n_target
+            out = self.model(batch=b, loss_only=True)
+            loss = out.loss_sum / n_target
+            if out.aux_loss is not None:
+                aux = out.aux_loss / len(micro_batches)
+                loss = loss + coef * aux
+                aux_total = aux.detach() if aux_total is None else aux_total + aux.detach()
             (self.scaler.scale(loss) if self.scaler else loss).backward()
-            loss_total += loss_sum.detach()
+            loss_total += out.loss_sum.detach()
+        self.router_aux_loss = aux_total
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
@@ -422,6 +443,8 @@ class Trainer:
                               "peak_mem_gib": peak_memory_gib(self.device)}
                     if self.scaler is not None:
                         record["skipped_steps"] = skipped
+                    if self.router_aux_loss is not None:
+                        record["router_aux_loss"] = self.router_aux_loss.item()
                     if bad:
                         metrics.write(record)
                         raise self._diverged(last_loss, grad_norm)

@@ -1,0 +1,133 @@
+"""Which checkpoint tensors fill which model parameter: the map the loader, the pre-flight check
+and the merged export share. Built from the safetensors headers alone (names and shapes), so a
+checkpoint that does not fit its config.json fails before any weight is read.
+
+Most parameters come from the tensor of the same name. Mixture-of-experts expert weights are
+stacked parameters in the model (model/moe.py) and come in three checkpoint layouts (layer l,
+E experts, I an expert's intermediate size, H hidden):
+- stacked, the model's own names and shapes: transformers 5.x with `save_original_format=False`,
+  and gpt-oss in bf16;
+- per expert, 2-D [out, in] tensors: transformers 4.x, and what 5.x writes by default:
+    Qwen3-MoE  model.layers.l.mlp.experts.e.{gate_proj, up_proj, down_proj}.weight
+    Mixtral    model.layers.l.block_sparse_moe.experts.e.{w1, w3, w2}.weight (gate, up, down),
+               and the router as model.layers.l.block_sparse_moe.gate.weight
+  gate and up are rows [:I] and [I:] of expert e's slice of experts.gate_up_proj;
+- MXFP4 (gpt-oss as released): experts.gate_up_proj_blocks [E, 2I, H/32, 16] and
+  experts.gate_up_proj_scales [E, 2I, H/32] (down_proj likewise, [E, H, I/32, ...]), each
+  expert [out, in]; dequantised (model/mxfp4.py) and transposed into the model's [in, out].
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import LeantuneError
+from .mxfp4 import BLOCK, dequantize_mxfp4
+
+# per-expert tensor names: model_type -> (module under the layer, {projection: its parts})
+PER_EXPERT = {
+    "qwen3_moe": ("mlp", {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}),
+    "mixtral": ("block_sparse_moe", {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}),
+}
+_EXPERTS = re.compile(r"(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
+_ROUTER = re.compile(r"(model\.layers\.\d+)\.mlp\.gate\.weight")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One checkpoint tensor `key` (of `shape`) and the part of a parameter it fills:
+    p[expert, rows[0]:rows[1]] (expert None: all of p; rows None: all rows of the expert).
+    `scales`: key holds MXFP4 blocks and this tensor their scales, of shape shape[:-1]
+    (dequantised, each expert transposed from [out, in] to the parameter's [in, out])."""
+
+    key: str
+    shape: tuple[int, ...]
+    expert: int | None = None
+    rows: tuple[int, int] | None = None
+    scales: str | None = None
+
+    def target(self, p: torch.Tensor) -> torch.Tensor:
+        """The view of parameter (or same-shaped tensor) `p` this piece fills."""
+        if self.expert is None:
+            return p
+        t = p[self.expert]
+        return t if self.rows is None else t[self.rows[0]:self.rows[1]]
+
+
+def plan_weights(model_type: str, params: dict[str, tuple[int, ...]],
+                 shapes: dict[str, tuple[int, ...]], file_of: dict[str, Path],
+                 folder: Path) -> dict[str, list[Piece]]:
+    """{parameter: the pieces that fill it} for the parameters `params` (name -> shape; LoRA
+    left out) of a checkpoint whose tensors have `shapes` (in the files `file_of`). A tensor of
+    the wrong shape or a parameter without pieces is a one-line LeantuneError."""
+    plan, missing = {}, []
+    for name, shape in params.items():
+        if name in shapes:
+            pieces = [Piece(name, shape)]
+        else:
+            pieces = _expert_pieces(model_type, name, shape, shapes)
+        if pieces is None:
+            missing.append(name)
+            continue
+        for piece in pieces:
+            tensors = [(piece.key, piece.shape)]
+            if piece.scales:
+                tensors.append((piece.scales, piece.shape[:-1]))
+            for key, want in tensors:
+                if key not in shapes:
+                    missing.append(key)
+                elif shapes[key] != want:
+                    raise LeantuneError(
+                        f"{file_of[key]}: tensor {key} has shape {shapes[key]}, config.json "
+                        f"implies {want}; the weights do not belong to this config.json "
+                        "(re-download the model, or restore its config.json)")
+        plan[name] = pieces
+    if missing:
+        raise LeantuneError(f"{folder}: {len(missing)} weights missing from the checkpoint "
+                            f"(e.g. {sorted(missing)[0]}); the download is incomplete: "
+                            "re-download the model")
+    return plan
+
+
+def _expert_pieces(model_type, name, shape, shapes) -> list[Piece] | None:
+    """The pieces of a stacked expert parameter (or a Mixtral router) in the per-expert or
+    MXFP4 layouts (module docstring); None when the checkpoint has neither."""
+    router = _ROUTER.fullmatch(name)
+    if router and model_type == "mixtral":
+        return [Piece(f"{router[1]}.block_sparse_moe.gate.weight", shape)]
+    m = _EXPERTS.fullmatch(name)
+    if m is None:
+        return None
+    layer, proj = m[1], m[2]
+    E = shape[0]
+    if f"{name}_blocks" in shapes:  # MXFP4: [E, out, in / 32, 16]; the parameter is [E, in, out]
+        n_in, n_out = shape[1], shape[2]
+        return [Piece(f"{name}_blocks", (E, n_out, n_in // BLOCK, BLOCK // 2),
+                      scales=f"{name}_scales")]
+    if model_type not in PER_EXPERT:
+        return None
+    module, parts = PER_EXPERT[model_type]
+    names = parts[proj]
+    if f"{layer}.{module}.experts.0.{names[0]}.weight" not in shapes:
+        return None
+    rows = shape[1] // len(names)
+    return [Piece(f"{layer}.{module}.experts.{e}.{part}.weight", (rows, shape[2]), e,
+                  (j * rows, (j + 1) * rows) if len(names) > 1 else None)
+            for e in range(E) for j, part in enumerate(names)]
+
+
+def read_piece_into(dest: torch.Tensor, piece: Piece, handle, scales_handle=None) -> None:
+    """Fill `piece.target(dest)` from the open safetensors `handle` (the MXFP4 scales from
+    `scales_handle`, default `handle`): one tensor, or for MXFP4 one expert at a time."""
+    if piece.scales is None:
+        piece.target(dest).copy_(handle.get_tensor(piece.key))
+        return
+    blocks = handle.get_slice(piece.key)
+    scales = (scales_handle or handle).get_slice(piece.scales)
+    for e in range(piece.shape[0]):
+        values = dequantize_mxfp4(blocks[e], scales[e])  # [out, in]
+        dest[e].copy_(values.t())

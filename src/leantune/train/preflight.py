@@ -10,18 +10,22 @@ import torch
 
 from ..errors import LeantuneError
 from ..model.config import ModelConfig
-from ..model.loader import CHECKPOINT_PATTERNS, resolve_checkpoint, safetensors_files
+from ..model.loader import (CHECKPOINT_PATTERNS, bnb_compute_dtype, bnb_quant_states,
+                            resolve_checkpoint, safetensors_files)
 from ..model.transformer import CausalLM
 
 
-def check_weights(folder: Path) -> None:
-    """Every weight the model needs is in a readable shard, with the shape config.json implies."""
+def check_weights(folder: Path) -> bool:
+    """Every weight the model needs is in a readable shard, with the shape config.json implies
+    (a 4-bit one: in its quant_state). Returns whether the checkpoint is pre-quantised (bnb-4bit)."""
     from safetensors import safe_open
 
     cfg = ModelConfig.from_file(folder / "config.json")
+    bnb_compute_dtype(cfg, folder / "config.json")  # (a quantisation leantune does not read)
     with torch.device("meta"):
         want = {n: tuple(p.shape) for n, p in CausalLM(cfg).named_parameters()}
     files = safetensors_files(folder)
+    states = bnb_quant_states(files)
     missing = set(want)
     for f in files:
         try:
@@ -33,6 +37,7 @@ def check_weights(folder: Path) -> None:
                                 f"{str(e)[:120]}); the file is truncated or corrupt, "
                                 "re-download it") from None
         for key, shape in shapes.items():
+            shape = tuple(states[key]["shape"]) if key in states else shape
             if key in want and shape != want[key]:
                 raise LeantuneError(f"{f}: tensor {key} has shape {shape}, config.json implies "
                                     f"{want[key]}; the weights do not belong to this config.json "
@@ -42,6 +47,7 @@ def check_weights(folder: Path) -> None:
         raise LeantuneError(f"{folder}: {len(missing)} weights missing from the checkpoint "
                             f"(e.g. {sorted(missing)[0]}); the download is incomplete: "
                             "re-download the model")
+    return bool(states)
 
 
 def locate_model(name: str) -> Path:

@@ -304,16 +304,16 @@ if triton is not None:
         """fp32 -> the nearest bf16 value (ties to even), still fp32. The cast after it is then
         exact on every backend (the Triton interpreter truncates fp32 -> bf16 casts)."""
         bits = v.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
         return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
     def _dequantize_kernel(PACKED, ABSMAX, NESTED_ABSMAX, NESTED_MAP, NESTED_OFFSET, QUANT_MAP,
                            OUT, cols, stride_r, stride_c, NESTED: tl.constexpr,
-                           W_BF16: tl.constexpr, OUT_BF16: tl.constexpr,
-                           W_DTYPE: tl.constexpr, BLOCK: tl.constexpr):
-        """OUT[row, c] for one row and BLOCK columns a program (module docstring's math). Launch
-        with enable_fp_fusion=False: the absmax's product and sum must round separately."""
+                           W_KIND: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr):
+        """OUT[row, c] for one row and BLOCK columns a program (module docstring's math), rounded
+        to the weight's dtype (W_KIND: 0 fp32, 1 bf16, 2 fp16) before the output's. Launch with
+        enable_fp_fusion=False: the absmax's product and sum must round separately."""
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = c < cols
@@ -329,18 +329,16 @@ if triton is not None:
         else:
             absmax = tl.load(ABSMAX + block, mask=mask, other=0.0)
         v = level * absmax
-        if W_BF16:
+        if W_KIND == 1:
             v = _round_to_bf16(v)
-        v = v.to(W_DTYPE).to(tl.float32)
+        elif W_KIND == 2:
+            v = v.to(tl.float16).to(tl.float32)
         if OUT_BF16:
             v = _round_to_bf16(v)
         tl.store(OUT + row * stride_r + c * stride_c, v.to(OUT.dtype.element_ty), mask=mask)
 
 
-_TL_DTYPES = {}
-if triton is not None:
-    _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
-                  torch.float32: tl.float32}
+_W_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def dequantize_nf4(w: NF4Weight, out: torch.Tensor) -> torch.Tensor:
@@ -352,9 +350,8 @@ def dequantize_nf4(w: NF4Weight, out: torch.Tensor) -> torch.Tensor:
         w.packed, w.absmax, w.nested_absmax if nested else w.absmax,
         w.nested_quant_map if nested else w.quant_map,
         w.nested_offset if nested else w.quant_map, w.quant_map, out, cols,
-        out.stride(0), out.stride(1), NESTED=nested,
-        W_BF16=w.weight_dtype == torch.bfloat16, OUT_BF16=out.dtype == torch.bfloat16,
-        W_DTYPE=_TL_DTYPES[w.weight_dtype], BLOCK=block, num_warps=4, enable_fp_fusion=False)
+        out.stride(0), out.stride(1), NESTED=nested, W_KIND=_W_KIND[w.weight_dtype],
+        OUT_BF16=out.dtype == torch.bfloat16, BLOCK=block, num_warps=4, enable_fp_fusion=False)
     return out
 
 

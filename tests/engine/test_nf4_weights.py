@@ -45,7 +45,7 @@ def test_groups_mixing_4bit_and_16bit_weights():
     for name, mod in nf4_projections(model):
         if not name.endswith(("k_proj", "gate_proj")):
             w = mod.weight
-            mod.quantize_nf4_(NF4Weight(w.shape, w.dtype).quantize_(w))
+            mod.set_nf4_base(NF4Weight(w.shape, w.dtype).quantize_(w))
     check(model, PLANS)
 
 

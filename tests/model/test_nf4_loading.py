@@ -166,3 +166,6 @@ def test_preflight_checks_4bit_shapes(base16, tmp_path):
     with pytest.raises(LeantuneError, match=r"q_proj.weight has shape \(64, 96\), config.json "
                                             r"implies \(64, 64\)"):
         check_weights(folder)
+    with pytest.raises(LeantuneError, match=r"q_proj.weight: 4-bit weight of shape \(64, 96\) "
+                                            r"\(its quant_state\), config.json implies"):
+        load_model(folder, device="cpu")

@@ -145,9 +145,9 @@ def _dense_into(m, out: torch.Tensor) -> None:
 
 
 class DenseWeights:
-    """The provider for 16-bit (or fp32) base weights: packs each group's weights once per
+    """The weight provider. 16-bit (or fp32) base weights: packs each group's weights once per
     layout (EngineOptions.pack_*), re-packing when the weights, their dtype/device or the LoRA
-    ranks change."""
+    ranks change. Groups with a 4-bit base: NF4Source over the shared scratch buffers."""
 
     def __init__(self, options: EngineOptions):
         self.options = options

@@ -54,6 +54,7 @@ NF4_LEVELS = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.394917488098144
               0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
               0.7229568362236023, 1.0)
 _ZERO_INDEX = 7
+_BNB_PARTS = ("packed", "absmax", "quant_map", "nested_absmax", "nested_quant_map")
 _QUANT_CHUNK = 1 << 24  # values quantised at a time (bounds the fp32 temporaries: 64 MiB)
 _DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -96,7 +97,8 @@ def _scaled(x: torch.Tensor, absmax: torch.Tensor, blocksize: int) -> torch.Tens
 # ------------------------------------------------------------------------------------------------
 class NF4Weight(nn.Module):
     """A frozen 4-bit base weight [out, in] (module docstring), its tensors registered as buffers
-    named as bitsandbytes names them, so `.to(device)` moves them.
+    (so `.to(device)` moves them) named as bitsandbytes names them, but for `packed` (its
+    `weight`).
 
     weight_dtype: the dtype the weight was quantised from (bitsandbytes' quant_state "dtype"):
     dequantised values are rounded to it. The compute dtype (`dtype`, what `dequantize` returns
@@ -111,21 +113,20 @@ class NF4Weight(nn.Module):
         self.nested = nested
         n = self.numel
         blocks = -(-n // BLOCKSIZE)
-        empty = dict(device=device)
-        self.register_buffer("packed", torch.empty(-(-n // 2), dtype=torch.uint8, **empty))
-        self.register_buffer("quant_map", torch.empty(16, dtype=torch.float32, **empty))
+        u8, f32 = dict(dtype=torch.uint8, device=device), dict(dtype=torch.float32, device=device)
+        self.register_buffer("packed", torch.empty(-(-n // 2), **u8))
+        self.register_buffer("quant_map", torch.empty(16, **f32))
         if nested:
-            self.register_buffer("absmax", torch.empty(blocks, dtype=torch.uint8, **empty))
-            self.register_buffer("nested_absmax", torch.empty(
-                -(-blocks // NESTED_BLOCKSIZE), dtype=torch.float32, **empty))
-            self.register_buffer("nested_quant_map",
-                                 torch.empty(256, dtype=torch.float32, **empty))
-            self.register_buffer("nested_offset", torch.empty((), dtype=torch.float32, **empty))
+            self.register_buffer("absmax", torch.empty(blocks, **u8))
+            self.register_buffer("nested_absmax",
+                                 torch.empty(-(-blocks // NESTED_BLOCKSIZE), **f32))
+            self.register_buffer("nested_quant_map", torch.empty(256, **f32))
+            self.register_buffer("nested_offset", torch.empty((), **f32))
         else:
-            self.register_buffer("absmax", torch.empty(blocks, dtype=torch.float32, **empty))
+            self.register_buffer("absmax", torch.empty(blocks, **f32))
         # empty; its dtype is the compute dtype (so that .to(dtype) sets it)
         self.register_buffer("compute", torch.empty(0, dtype=compute_dtype or weight_dtype,
-                                                    **empty), persistent=False)
+                                                    device=device), persistent=False)
 
     @property
     def numel(self) -> int:
@@ -223,9 +224,8 @@ class NF4Weight(nn.Module):
             if self.nested:
                 self.nested_offset.fill_(float(state["nested_offset"]))
             return
-        target = {"": "packed", "absmax": "absmax", "quant_map": "quant_map",
-                  "nested_absmax": "nested_absmax", "nested_quant_map": "nested_quant_map"}.get(part)
-        buf = None if target is None else getattr(self, target, None)
+        target = "packed" if part == "" else part
+        buf = self._buffers.get(target) if target in _BNB_PARTS else None
         if buf is None:
             raise LeantuneError(f"{name}: unexpected tensor for a 4-bit weight "
                                 f"{'with' if self.nested else 'without'} nested statistics")

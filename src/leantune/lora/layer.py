@@ -6,7 +6,7 @@ plus an optional LoRA adapter.
 Parameter names follow Hugging Face and PEFT (`weight`, `bias`, `lora_A.weight`, `lora_B.weight`),
 so a state dict maps one-to-one onto HF checkpoints and PEFT adapter files. The base weight is
 read only through `base_weight()`, the seam where a quantised base dequantises: after
-`quantize_nf4_` (QLoRA) the layer holds a 4-bit NF4Weight (`nf4`, kernels/nf4.py) in place of the
+`set_nf4_base` (QLoRA) the layer holds a 4-bit NF4Weight (`nf4`, kernels/nf4.py) in place of the
 16-bit `weight` Parameter (then None), and its forward dequantises per GEMM, in backward again.
 """
 
@@ -50,7 +50,7 @@ class LoRALinear(nn.Module):
         """The dense base weight [out, in] (a 4-bit base: dequantised, a new tensor per call)."""
         return self.weight if self.nf4 is None else self.nf4.dequantize()
 
-    def quantize_nf4_(self, nf4: NF4Weight) -> None:
+    def set_nf4_base(self, nf4: NF4Weight) -> None:
         """Hold `nf4` (its shape this layer's [out, in]) as the base weight instead of the 16-bit
         Parameter, which is dropped (its memory freed)."""
         if nf4.shape != (self.out_features, self.in_features):

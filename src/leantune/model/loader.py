@@ -136,7 +136,7 @@ def quantize_nf4_(model: CausalLM) -> CausalLM:
     for _, mod in nf4_projections(model):
         if mod.nf4 is None:
             w = mod.weight
-            mod.quantize_nf4_(NF4Weight(w.shape, w.dtype, device=w.device).quantize_(w))
+            mod.set_nf4_base(NF4Weight(w.shape, w.dtype, device=w.device).quantize_(w))
     return model
 
 
@@ -155,8 +155,11 @@ def build_empty(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                                 "one (only the decoder layers' projections are 4-bit; the "
                                 "embeddings and the LM head stay 16-bit); use the 16-bit "
                                 "checkpoint with --load-in-4bit")
-        mod.quantize_nf4_(w if w is not None else NF4Weight(
-            (mod.out_features, mod.in_features), dtype, device="meta"))
+        shape = (mod.out_features, mod.in_features)
+        if w is not None and w.shape != shape:
+            raise LeantuneError(f"{name}.weight: 4-bit weight of shape {w.shape} (its "
+                                f"quant_state), config.json implies {shape}")
+        mod.set_nf4_base(w if w is not None else NF4Weight(shape, dtype, device="meta"))
     model = model.to_empty(device=device)
     model.source_path = None
     return model

@@ -17,7 +17,8 @@ from ..model.transformer import CausalLM
 
 def check_weights(folder: Path) -> bool:
     """Every weight the model needs is in a readable shard, with the shape config.json implies
-    (a 4-bit one: in its quant_state). Returns whether the checkpoint is pre-quantised (bnb-4bit)."""
+    (a 4-bit one: in its quant_state). Returns whether the checkpoint is pre-quantised
+    (bnb-4bit)."""
     from safetensors import safe_open
 
     cfg = ModelConfig.from_file(folder / "config.json")

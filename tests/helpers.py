@@ -171,6 +171,76 @@ def random_ids(n: int, vocab: int, g: torch.Generator) -> list[int]:
     return torch.randint(1, vocab, (n,), generator=g).tolist()
 
 
+# --- 4-bit checkpoints in bitsandbytes' layout (QLoRA) -------------------------------------------
+BNB_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def bnb_tensors(name: str, w: torch.Tensor, nested: bool = True) -> dict[str, torch.Tensor]:
+    """What transformers + bitsandbytes save for 4-bit weight `name` (w [out, in]), written with
+    leantune's quantiser: the packed codes [n/2, 1] and the quant-state tensors and JSON."""
+    from leantune.kernels.nf4 import NF4Weight
+
+    q = NF4Weight(tuple(w.shape), w.dtype, nested=nested).quantize_(w)
+    state = {"quant_type": "nf4", "blocksize": 64, "dtype": str(w.dtype).split(".")[1],
+             "shape": list(w.shape)}
+    out = {name: q.packed.view(-1, 1), f"{name}.absmax": q.absmax,
+           f"{name}.quant_map": q.quant_map}
+    if nested:
+        state.update(nested_blocksize=256, nested_dtype="float32",
+                     nested_offset=q.nested_offset.item())
+        out.update({f"{name}.nested_absmax": q.nested_absmax,
+                    f"{name}.nested_quant_map": q.nested_quant_map})
+    out[f"{name}.quant_state.bitsandbytes__nf4"] = torch.tensor(
+        list(json.dumps(state).encode()), dtype=torch.uint8)
+    return out
+
+
+def save_bnb_checkpoint(src: Path, out: Path, nested: bool = True, skip: tuple = ()) -> Path:
+    """The 16-bit checkpoint `src` (one model.safetensors) as a bnb-4bit checkpoint in `out`: its
+    decoder projections 4-bit (except modules whose name holds one of `skip`), config.json with
+    a bitsandbytes quantization_config; tokenizer files copied."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        module = name.removesuffix(".weight")
+        if (name.endswith(".weight") and module.rsplit(".", 1)[-1] in BNB_PROJECTIONS
+                and not any(s in module for s in skip)):
+            tensors.update(bnb_tensors(name, t, nested))
+        else:
+            tensors[name] = t
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+        "bnb_4bit_use_double_quant": nested, "bnb_4bit_compute_dtype": "float32",
+        "bnb_4bit_quant_storage": "uint8", "llm_int8_skip_modules": list(skip) or None}
+    (out / "config.json").write_text(json.dumps(config))
+    for f in src.iterdir():
+        if f.name not in ("config.json", "model.safetensors") and f.is_file():
+            shutil.copyfile(f, out / f.name)
+    return out
+
+
+def save_transformers_bnb_checkpoint(src: Path, out: Path, skip=None):
+    """`src` quantised and saved by transformers + bitsandbytes (NF4, double quantisation, fp32
+    compute) on the CPU; returns transformers' 4-bit model (train mode: bitsandbytes' CPU path
+    then dequantises as its other backends do, instead of repacking for its AVX512 kernel)."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                           bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.float32,
+                           llm_int8_skip_modules=skip)
+    hf = AutoModelForCausalLM.from_pretrained(src, quantization_config=q, device_map="cpu",
+                                              dtype=torch.float32, attn_implementation="eager")
+    hf.save_pretrained(out)
+    return hf.train()
+
+
 # --- a byte-level BPE tokenizer with chat templates (offline, trained in milliseconds) ---------
 SPECIALS = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
 

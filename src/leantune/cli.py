@@ -64,6 +64,9 @@ def _train_parser(sub) -> None:
     a("--full", action="store_true", default=None, help="full fine-tuning instead of LoRA")
     a("--router-aux-loss-coef", type=float,
       help="MoE models: add this times the router's load-balancing loss (default 0 = off)")
+    a("--load-in-4bit", action="store_true", default=None,
+      help="QLoRA: quantise the decoder's linear weights to NF4 while loading (a *-bnb-4bit "
+           "checkpoint is 4-bit without it)")
     a("--merge-at-end", action="store_true", default=None,
       help="LoRA: also write the base model with the adapter merged in to OUTPUT/merged")
     a("--train-on-inputs", action="store_true", default=None,
@@ -303,7 +306,7 @@ def cmd_export(args) -> int:
             raise LeantuneError("--quant applies to --format gguf and gguf-lora; a merged "
                                 "export takes --dtype")
         out = export_merged(args.model, args.adapter, args.output, dtype=args.dtype,
-                            overwrite=args.overwrite, log=print)
+                            overwrite=args.overwrite, log=print, merge_onto=args.merge_onto)
         print(f"merged checkpoint written to {out}/ (loads with transformers "
               "AutoModelForCausalLM.from_pretrained; serve it with: vllm serve "
               f"{out})")
@@ -313,13 +316,16 @@ def cmd_export(args) -> int:
     if args.dtype:
         raise LeantuneError("--dtype applies to --format merged; a GGUF export takes --quant")
     if args.format == "gguf-lora":
+        if args.merge_onto:
+            raise LeantuneError("--merge-onto applies to --format merged and gguf; gguf-lora "
+                                "writes the adapter alone")
         res = export_gguf_lora(args.model, args.adapter, args.output, quant=args.quant or "f16",
                                overwrite=args.overwrite)
         print(f"LoRA adapter written to {res.gguf} (llama.cpp: llama-cli -m BASE.gguf "
               f"--lora {res.gguf})")
         return 0
     res = export_gguf(args.model, args.adapter, args.output, quant=args.quant or "f16",
-                      overwrite=args.overwrite, progress=True)
+                      overwrite=args.overwrite, progress=True, merge_onto=args.merge_onto)
     for w in res.warnings:
         print(f"leantune: warning: {w}", file=sys.stderr)
     print(f"GGUF written to {res.gguf}, Ollama Modelfile beside it; run it with Ollama: "
@@ -386,6 +392,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "q5_0, q4_k_m, q6_k (gguf-lora: f32, f16, bf16, q8_0)")
     e.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                    help="output dtype (default: the base's)")
+    e.add_argument("--merge-onto",
+                   help="a 4-bit (bnb-4bit) --model's 16-bit original: merge the adapter onto "
+                        "its weights instead of the dequantised 4-bit ones")
     e.add_argument("--overwrite", action="store_true",
                    help="replace a previous export in --output (other files there are kept)")
     gp = sub.add_parser("generate", help="complete prompts with a model (+ adapter)",

@@ -25,6 +25,11 @@ brackets): offloading 1.47 (1.57), the last two layers kept whole 1.87 (2.04), r
 
 Where memory is short, the cross-entropy's logits chunk shrinks too (plan_memory): it is the
 loss phase's largest transient (256 MiB by default), and smaller chunks cost little time.
+
+A 4-bit (NF4) base counts in the fixed bytes with its 4-bit size (packed codes and absmax, ~0.52
+bytes a weight), and so do the scratch buffers its GEMMs dequantise into (one per packed shape,
+shared by all layers: 0.41 GiB at Llama-3.1-8B): Engine.pack allocates them before the Trainer
+measures what is allocated (engine/weights.py).
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ class ProjectionGroup:
             self.source.write_lora_columns(self.in_f, self.cols)
         self.bias_cat = None
         if any(b is not None for b in self.bias):
-            dev = mods[0].weight.device
+            dev = mods[0].base_device
             self.bias_cat = torch.cat([torch.zeros(o, dtype=dtype, device=dev) if b is None
                                        else b for b, o in zip(self.bias, self.outs)])
 

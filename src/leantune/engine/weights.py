@@ -14,9 +14,13 @@ EngineOptions.pack_projections (separate GEMMs) or .pack_lora (packed without Lo
 LoRA term then comes from a rank-r product per projection: 2.7% slower at Llama-3.1-8B).
 
 A group asks its provider for the weight at every GEMM (`WeightSource.get`), instead of holding a
-dense weight from forward to backward. Dense weights are the packed buffer itself. This is the
-seam for quantised bases (QLoRA): an NF4 provider dequantises into one scratch buffer reused by
-every GEMM of that shape, so no layer's 16-bit weight lives between its forward and backward.
+dense weight from forward to backward. Dense weights are the packed buffer itself. A group with a
+4-bit (NF4) base (QLoRA) reads a scratch buffer of the packed shape instead, one per shape and
+dtype shared by every layer (`ScratchPool`): `get()` dequantises the group's weights into its left
+columns (the Triton kernel writes the strided view directly) and writes s * B into its LoRA
+columns, unless the buffer still holds them for this layer run. So no layer's 16-bit weight
+lives between its forward and its backward (which dequantises again, except in the last layer,
+whose weights are still in the buffers), and the GEMMs are those of the dense path.
 """
 
 from __future__ import annotations
@@ -65,20 +69,121 @@ class WeightSource:
         return self.mods[i].base_weight()
 
 
+class ScratchPool:
+    """Dequantised weights' buffers: one per (shape, dtype, device), shared by every layer, with
+    the owner whose weights it holds now."""
+
+    def __init__(self):
+        self.buffers: dict[tuple, torch.Tensor] = {}
+        self.owners: dict[tuple, tuple] = {}
+
+    def buffer(self, shape: tuple[int, int], dtype: torch.dtype,
+               device: torch.device) -> torch.Tensor:
+        key = (tuple(shape), dtype, torch.device(device))
+        if key not in self.buffers:
+            self.buffers[key] = torch.empty(shape, dtype=dtype, device=device)
+        return self.buffers[key]
+
+    def claim(self, buf: torch.Tensor, owner: tuple) -> bool:
+        """Make `owner` (a source object and a tag) the holder of `buf`; True when it was not
+        already, so the caller must fill it."""
+        key = (tuple(buf.shape), buf.dtype, buf.device)
+        held = self.owners.get(key)
+        if held is not None and held[0] is owner[0] and held[1:] == owner[1:]:
+            return False
+        self.owners[key] = owner
+        return True
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+
+
+class NF4Source(WeightSource):
+    """A group with at least one 4-bit base weight, for one layer run: its packed weight, or
+    each unpacked projection's weight, lives in the pool's scratch buffer of that shape, filled
+    at `get()` / `dense(i)` (16-bit members of the group are copied in)."""
+
+    def __init__(self, mods, pool: ScratchPool, dtype: torch.dtype,
+                 shape: tuple[int, int] | None):
+        packed = None if shape is None else pool.buffer(shape, dtype, mods[0].base_device)
+        super().__init__(mods, packed)
+        self.pool, self.dtype = pool, dtype
+        self.lora = None  # (in_f, cols) once write_lora_columns was called
+
+    def write_lora_columns(self, in_f: int, cols: list) -> None:
+        self.lora = (in_f, cols)  # written at each fill: other groups share the buffer
+
+    @torch.no_grad()
+    def get(self) -> torch.Tensor:
+        if self.pool.claim(self.packed, (self, "packed")):
+            in_f = self.mods[0].in_features
+            row = 0
+            for m in self.mods:
+                _dense_into(m, self.packed[row:row + m.out_features, :in_f])
+                row += m.out_features
+            if self.packed.shape[1] > in_f:
+                self.packed[:, in_f:].zero_()  # LoRA columns off the diagonal, padding
+            if self.lora is not None:
+                super().write_lora_columns(*self.lora)
+        return self.packed
+
+    @torch.no_grad()
+    def dense(self, i: int) -> torch.Tensor:
+        m = self.mods[i]
+        buf = self.pool.buffer((m.out_features, m.in_features), self.dtype, m.base_device)
+        if self.pool.claim(buf, (self, i)):
+            _dense_into(m, buf)
+        return buf
+
+
+def _dense_into(m, out: torch.Tensor) -> None:
+    """Projection m's base weight into `out` (dequantised, or copied if 16-bit)."""
+    if m.nf4 is not None:
+        m.nf4.dequantize(out=out)
+    else:
+        out.copy_(m.weight)
+
+
 class DenseWeights:
-    """The provider for 16-bit (or fp32) base weights: packs each group's weights once per
+    """The weight provider. 16-bit (or fp32) base weights: packs each group's weights once per
     layout (EngineOptions.pack_*), re-packing when the weights, their dtype/device or the LoRA
-    ranks change."""
+    ranks change. Groups with a 4-bit base: NF4Source over the shared scratch buffers."""
 
     def __init__(self, options: EngineOptions):
         self.options = options
+        self.scratch = ScratchPool()  # (groups with a 4-bit base)
 
     def source(self, mods, dtype: torch.dtype, pack: bool) -> WeightSource:
         """The weights of projections `mods` (one input), packed where `pack` and possible."""
+        if any(m.nf4 is not None for m in mods):
+            shape = self.layout(mods)[0] if pack and self.packable(mods) else None
+            return NF4Source(mods, self.scratch, dtype, shape)
         packed = self.packed(mods) if pack else None
         if packed is not None and packed.dtype != dtype:
             packed = None
         return WeightSource(mods, packed)
+
+    def packable(self, mods) -> bool:
+        """Whether projections `mods` can share a packed weight: packing on, frozen bases of one
+        input size, device and compute dtype."""
+        from ..lora.layer import LoRALinear
+
+        m0 = mods[0]
+        return self.options.pack_projections and not any(
+            type(m).base_weight is not LoRALinear.base_weight
+            or (m.weight is not None and m.weight.requires_grad)
+            or m.in_features != m0.in_features or m.base_dtype != m0.base_dtype
+            or m.base_device != m0.base_device for m in mods)
+
+    def layout(self, mods) -> tuple[tuple[int, int], tuple[int, ...]]:
+        """The packed weight's shape [sum out, in + sum r (+ padding)] and each projection's
+        LoRA columns (0 without LoRA, or where the LoRA columns are off)."""
+        in_f = mods[0].in_features
+        ranks = tuple(_lora_rank(m) if self.options.pack_lora else 0 for m in mods)
+        width = in_f + sum(ranks)
+        if width > in_f:
+            width += -width % self.options.pack_align
+        return (sum(m.out_features for m in mods), width), ranks
 
     def packed(self, mods) -> torch.Tensor | None:
         """The packed weight of projections reading one input (made, or remade, on first use),
@@ -88,24 +193,12 @@ class DenseWeights:
         The modules hold no reference to the buffer, only their weights' views of its storage
         (and the layout as plain numbers): after `.to()` gives the weights fresh storage,
         nothing keeps the old buffer alive."""
-        from ..lora.layer import LoRALinear
-
-        opts = self.options
-        if not opts.pack_projections or any(
-                type(m).base_weight is not LoRALinear.base_weight or m.weight.requires_grad
-                for m in mods):
+        if any(m.nf4 is not None for m in mods) or not self.packable(mods):
             return None
         w0 = mods[0].weight
-        if any(m.in_features != mods[0].in_features or m.weight.dtype != w0.dtype
-               or m.weight.device != w0.device for m in mods):
-            return None
         in_f = mods[0].in_features
-        ranks = tuple(_lora_rank(m) if opts.pack_lora else 0 for m in mods)
-        width = in_f + sum(ranks)
-        if width > in_f:
-            width += -width % opts.pack_align
-        shape = (sum(m.out_features for m in mods), width)
-        layout = (shape, ranks)
+        layout = self.layout(mods)
+        shape, width = layout[0], layout[0][1]
         if getattr(mods[0], "_lt_packed_layout", None) == layout:
             storage, row, ok = w0.untyped_storage(), 0, True
             for m in mods:
@@ -136,7 +229,15 @@ def layer_groups(layer) -> tuple[list, list, list, list]:
 
 def pack_layer(layer, weights: DenseWeights) -> None:
     """Pack a layer's q/k/v, gate/up and down weights now (as its first fused forward would),
-    so that a training step never allocates them and memory is measured with them."""
-    qkv, _, gu, down = layer_groups(layer)
-    for mods in (qkv, gu, down):
-        weights.packed(mods)
+    or, for a 4-bit base, allocate the scratch buffers its GEMMs will dequantise into, so that a
+    training step never allocates them and memory is measured with them."""
+    qkv, o, gu, down = layer_groups(layer)
+    for mods in (qkv, o, gu, down):
+        if any(m.nf4 is not None for m in mods):
+            pack = mods is not o and weights.packable(mods)  # (o runs unpacked)
+            shapes = ([weights.layout(mods)[0]] if pack
+                      else [(m.out_features, m.in_features) for m in mods])
+            for shape in shapes:
+                weights.scratch.buffer(shape, mods[0].base_dtype, mods[0].base_device)
+        elif mods is not o:
+            weights.packed(mods)

@@ -8,8 +8,16 @@ generation_config.json and tokenizer files come along, so
 `MergedWeights` is the same stream for the GGUF writer.
 
 The adapter is a PEFT adapter folder, a training checkpoint (RUN/checkpoints/step-N), or a run
-folder without a final adapter (an interrupted run: its latest checkpoint). The export is written
-into a hidden folder beside OUT and renamed into place at the end: a failed or interrupted export
+folder without a final adapter (an interrupted run: its latest checkpoint).
+
+4-bit bases (QLoRA). A run that quantised a 16-bit checkpoint as it loaded (--load-in-4bit) has
+that checkpoint as --model: the adapter is merged onto its 16-bit weights. A pre-quantised
+`*-bnb-4bit` base is dequantised tensor by tensor (the weights the adapter was trained on, in
+16-bit), or, with `merge_onto` (--merge-onto), the adapter goes onto the 16-bit original the
+4-bit checkpoint was made from, checked to have the same tensors and shapes: a better base than
+the dequantised one, where it is at hand.
+
+The export is written into a hidden folder beside OUT and renamed into place at the end: a failed or interrupted export
 leaves OUT as it was, and OUT may never be, contain or lie inside the base or adapter folder (a
 subfolder of the adapter's folder is fine: a run's own merged/).
 """
@@ -30,8 +38,9 @@ from ..lora.layer import lora_scaling
 from ..lora.peft_io import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, EXPERT_PROJECTIONS, lora_pairs,
                             read_adapter_config, unmatched)
 from ..model.config import ModelConfig
-from ..model.loader import (DTYPES, plan_checkpoint, read_headers, resolve_checkpoint,
-                            safetensors_files)
+from ..kernels.nf4 import dequantize_nf4_reference, nf4_from_bnb_state
+from ..model.loader import (DTYPES, Headers, bnb_compute_dtype, bnb_quant_states,
+                            plan_checkpoint, read_headers, resolve_checkpoint, safetensors_files)
 from ..model.transformer import CausalLM
 from ..model.weight_map import read_piece_into
 from ..train.checkpoint import latest_checkpoint
@@ -103,20 +112,34 @@ class MergedWeights:
     scaling * B_e @ A_e in the base's own layout (its rows of a per-expert gate/up pair; gpt-oss's
     [in, out]). An MXFP4 base with LoRA on its experts is written dequantised (`dequantised`:
     all its experts, in the dtype of its embedding, and no quantization_config in config.json).
+    A 4-bit (bnb-4bit) base is read dequantised, or, with `merge_onto`, its 16-bit original is
+    read instead (module docstring).
 
     Opening checks that every adapter layer fits a base weight (name and shapes), so a wrong
     adapter fails before anything is written.
     """
 
     def __init__(self, model: str | os.PathLike, adapter_dir: str | os.PathLike | None = None,
-                 log=print):
+                 log=print, merge_onto: str | os.PathLike | None = None):
         self.src = resolve_checkpoint(model)
         self.config = ModelConfig.from_file(self.src / "config.json")  # validates model_type
+        bnb_compute_dtype(self.config, self.src / "config.json")  # (a quantisation we don't read)
         self.adapter_dir = Path(adapter_dir) if adapter_dir else None
         self.deltas, self.scaling, self.rank = (read_lora_pairs(self.adapter_dir, log)
                                                 if self.adapter_dir else ({}, 0.0, 0))
         files = safetensors_files(self.src)
         headers = read_headers(files)
+        # a bnb-4bit base: {weight name: quant_state}; its tensors stand for the dense weight
+        self.quant_states = bnb_quant_states(files)
+        for name, state in self.quant_states.items():
+            for key in [k for k in headers.shapes if k.startswith(name + ".")]:
+                del headers.shapes[key], headers.dtypes[key]  # (their files stay known)
+            headers.shapes[name] = tuple(state["shape"])
+            headers.dtypes[name] = {"bfloat16": "BF16", "float16": "F16",
+                                    "float32": "F32"}[state["dtype"]]
+        self.onto = None
+        if merge_onto is not None:
+            files, headers = self._merge_onto(resolve_checkpoint(merge_onto), model, headers)
         self.files = headers.files  # tensor name -> its shard
         with torch.device("meta"):
             base = CausalLM(self.config)
@@ -168,6 +191,44 @@ class MergedWeights:
                                 f"{tuple(b.shape)} do not fit the base weight {shapes[key]}; "
                                 "is it the adapter of another model?")
 
+    def _merge_onto(self, onto: Path, model, base: "Headers"):
+        """(files, headers) of `onto`, the 16-bit original of this 4-bit base, to read instead:
+        it must hold the same tensors with the same shapes (the dequantised base's)."""
+        if not self.quant_states:
+            raise LeantuneError(f"--merge-onto {onto}: --model {model} is a 16-bit checkpoint "
+                                "already, and the adapter is merged onto it; --merge-onto names "
+                                "the 16-bit original of a 4-bit (bnb-4bit) --model")
+        files = safetensors_files(onto)
+        headers = read_headers(files)
+        if bnb_quant_states(files) or \
+                ModelConfig.from_file(onto / "config.json").raw.get("quantization_config"):
+            raise LeantuneError(f"--merge-onto {onto}: a quantised checkpoint; give the 16-bit "
+                                f"original that {model} was quantised from")
+        for key, shape in base.shapes.items():
+            have = headers.shapes.get(key)
+            if have != shape:
+                raise LeantuneError(f"--merge-onto {onto}: tensor {key} is "
+                                    f"{'missing' if have is None else f'of shape {have}'} where "
+                                    f"{model} has {shape}; it is not the original of this base")
+        self.onto = onto
+        return files, headers
+
+    def hf_config(self) -> dict:
+        """The merged model's config.json: --merge-onto's, or the base's (a 4-bit base's without
+        its quantization_config: the export is 16-bit)."""
+        config = json.loads(((self.onto or self.src) / "config.json").read_text())
+        config.pop("quantization_config", None)
+        return config
+
+    def hf_config(self) -> dict:
+        """The merged model's config.json: --merge-onto's, or the base's (without its
+        quantization_config where the export is 16-bit: a 4-bit base, or MXFP4 experts
+        dequantised)."""
+        config = json.loads(((self.onto or self.src) / "config.json").read_text())
+        if self.quant_states or self.dequantised:
+            config.pop("quantization_config", None)
+        return config
+
     def names(self) -> list[str]:
         return list(self.shapes)
 
@@ -179,6 +240,24 @@ class MergedWeights:
         else:
             d = b[expert].float() @ a[expert].float()
         return (d.transpose(-1, -2) if self.config.moe.transposed else d) * self.scaling
+
+    def _read(self, key: str) -> torch.Tensor:
+        """Tensor `key` of the base as stored (a 4-bit weight: dequantised to its own dtype)."""
+        from safetensors import safe_open
+
+        state = None if self.onto else self.quant_states.get(key)
+        if state is None:
+            with safe_open(str(self.files[key]), framework="pt", device="cpu") as sf:
+                return sf.get_tensor(key)
+        w = nf4_from_bnb_state(state)
+        for part in w.bnb_parts():
+            name = f"{key}.{part}".rstrip(".")
+            if name not in self.files:
+                raise LeantuneError(f"{self.src}: {name} is missing from the 4-bit checkpoint; "
+                                    "re-download it")
+            with safe_open(str(self.files[name]), framework="pt", device="cpu") as sf:
+                w.load_bnb_(part, sf.get_tensor(name), name)
+        return dequantize_nf4_reference(w, w.weight_dtype)
 
     def tensor(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Tensor `key`, merged with its adapter pair (in fp32) if it has one, cast to `dtype`
@@ -194,8 +273,7 @@ class MergedWeights:
             if key in self.deltas:
                 t += self._expert_delta(key)
             return t.to(dtype or self.dense[key])
-        with safe_open(str(self.files[key]), framework="pt", device="cpu") as sf:
-            t = sf.get_tensor(key)
+        t = self._read(key)
         if key in self.expert_pieces:
             name, piece = self.expert_pieces[key]
             if piece.expert is None:
@@ -214,11 +292,12 @@ class MergedWeights:
 
 def export_merged(model: str | os.PathLike, adapter_dir: str | os.PathLike | None,
                   out_dir: str | os.PathLike, dtype: str | None = None,
-                  overwrite: bool = False, max_shard_bytes: int = 4 << 30, log=print) -> Path:
+                  overwrite: bool = False, max_shard_bytes: int = 4 << 30, log=print,
+                  merge_onto: str | os.PathLike | None = None) -> Path:
     """Merge `adapter_dir` into `model` and write a HF checkpoint to `out_dir`.
 
     Args:
-        model: base checkpoint folder or hub id.
+        model: base checkpoint folder or hub id (a bnb-4bit one is dequantised).
         adapter_dir: PEFT-format adapter, training checkpoint or run folder (`adapter_source`);
             None copies the base, re-sharded.
         out_dir: output folder (must be new or empty unless overwrite: then a previous export
@@ -226,15 +305,18 @@ def export_merged(model: str | os.PathLike, adapter_dir: str | os.PathLike | Non
         dtype: "bfloat16" | "float16" | "float32"; default: the base tensors' own dtype.
         max_shard_bytes: size above which a new shard is started.
         log: where a note on the adapter's source goes.
+        merge_onto: for a 4-bit `model`, its 16-bit original to merge onto instead.
     """
     src = resolve_checkpoint(model)
     out = Path(out_dir)
     adapter = Path(adapter_dir) if adapter_dir else None
-    check_output_folder(out, {"base model": src, "adapter": adapter}, may_lie_inside=("adapter",))
+    onto = resolve_checkpoint(merge_onto) if merge_onto is not None else None
+    check_output_folder(out, {"base model": src, "adapter": adapter, "original model": onto},
+                        may_lie_inside=("adapter",))
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise LeantuneError(f"{out}: output folder is not empty; choose a new folder or pass "
                             "--overwrite")
-    weights = MergedWeights(src, adapter, log)  # checks the adapter fits this base
+    weights = MergedWeights(src, adapter, log, onto)  # checks the adapter fits this base
     out_dtype = DTYPES[dtype] if dtype else None
     entries = []
     for key, shape in weights.shapes.items():
@@ -250,11 +332,9 @@ def export_merged(model: str | os.PathLike, adapter_dir: str | os.PathLike | Non
     try:
         tmp.mkdir()
         write_sharded(entries, tmp, max_shard_bytes)
-        config = json.loads((src / "config.json").read_text())
+        config = weights.hf_config()
         if out_dtype is not None:
             set_config_dtype(config, dtype)
-        if weights.dequantised:
-            config.pop("quantization_config", None)
         atomic_write_json(tmp / "config.json", config)
         copy_side_files(src, tmp)
         if adapter is not None and adapter.is_dir():  # a base without tokenizer files: the

@@ -5,7 +5,9 @@ plus an optional LoRA adapter.
 
 Parameter names follow Hugging Face and PEFT (`weight`, `bias`, `lora_A.weight`, `lora_B.weight`),
 so a state dict maps one-to-one onto HF checkpoints and PEFT adapter files. The base weight is
-read only through `base_weight()`, the seam where a quantised (NF4) weight will dequantise.
+read only through `base_weight()`, the seam where a quantised base dequantises: after
+`set_nf4_base` (QLoRA) the layer holds a 4-bit NF4Weight (`nf4`, kernels/nf4.py) in place of the
+16-bit `weight` Parameter (then None), and its forward dequantises per GEMM, in backward again.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..kernels.nf4 import NF4Weight, nf4_linear
 from .function import lora_linear
 
 
@@ -37,21 +40,40 @@ class LoRALinear(nn.Module):
         self.r = 0
         self.scaling = 0.0
         self.lora_dropout: nn.Module = nn.Identity()
+        self.nf4: NF4Weight | None = None  # the 4-bit base, in place of `weight` (QLoRA)
 
     @property
     def has_lora(self) -> bool:
         return self.lora_A is not None
 
     def base_weight(self) -> torch.Tensor:
-        """The dense base weight [out, in] (the NF4 seam: a quantised layer dequantises here)."""
-        return self.weight
+        """The dense base weight [out, in] (a 4-bit base: dequantised, a new tensor per call)."""
+        return self.weight if self.nf4 is None else self.nf4.dequantize()
+
+    def set_nf4_base(self, nf4: NF4Weight) -> None:
+        """Hold `nf4` (its shape this layer's [out, in]) as the base weight instead of the 16-bit
+        Parameter, which is dropped (its memory freed)."""
+        if nf4.shape != (self.out_features, self.in_features):
+            raise ValueError(f"NF4 weight of shape {nf4.shape} for a layer of "
+                             f"{(self.out_features, self.in_features)}")
+        self.weight = None
+        self.nf4 = nf4
+
+    @property
+    def base_device(self) -> torch.device:
+        return self.weight.device if self.nf4 is None else self.nf4.device
+
+    @property
+    def base_dtype(self) -> torch.dtype:
+        """The dtype the base weight computes in (a 4-bit base: its compute dtype)."""
+        return self.weight.dtype if self.nf4 is None else self.nf4.dtype
 
     def add_lora(self, r: int, alpha: float, dropout: float = 0.0, use_rslora: bool = False,
                  dtype: torch.dtype | None = None) -> None:
         """Attach a LoRA adapter of rank r. A: kaiming-uniform (as PEFT), B: zeros, so the
         adapted layer starts equal to the base layer."""
-        dev = self.weight.device
-        dtype = dtype or self.weight.dtype
+        dev = self.base_device
+        dtype = dtype or self.base_dtype
         self.lora_A = nn.Linear(self.in_features, r, bias=False, device=dev, dtype=dtype)
         self.lora_B = nn.Linear(r, self.out_features, bias=False, device=dev, dtype=dtype)
         if dev.type != "meta":
@@ -63,6 +85,13 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., in] -> [..., out]."""
+        if self.nf4 is not None:
+            y = nf4_linear(x, self.nf4)
+            y = y if self.bias is None else y + self.bias
+            if self.lora_A is None:
+                return y
+            a, b = self.lora_A.weight.to(x.dtype), self.lora_B.weight.to(x.dtype)
+            return y + F.linear(F.linear(self.lora_dropout(x), a), b) * self.scaling
         if self.lora_A is None:
             return F.linear(x, self.base_weight(), self.bias)
         if isinstance(self.lora_dropout, nn.Identity) or not self.training:
@@ -77,4 +106,5 @@ class LoRALinear(nn.Module):
 
     def extra_repr(self) -> str:
         s = f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
+        s += ", nf4" if self.nf4 is not None else ""
         return s + (f", lora_r={self.r}, scaling={self.scaling:g}" if self.has_lora else "")

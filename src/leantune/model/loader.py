@@ -4,10 +4,18 @@ The model is built on the meta device (no memory), given empty storage on the ta
 filled with safetensors' lazy `safe_open`, one tensor at a time, following the weight plan
 (model/weight_map.py: which checkpoint tensors fill which parameter, e.g. per-expert or MXFP4
 expert weights into stacked ones); host memory peaks near one tensor, not the whole model.
+
+4-bit (QLoRA) bases, NF4 in bitsandbytes' layout (kernels/nf4.py): with `load_in_4bit` the
+decoder layers' projection weights are quantised as they are read, each on the target device, so
+the GPU holds the 4-bit model and one 16-bit tensor at a time, never the 16-bit model. A
+pre-quantised `*-bnb-4bit` checkpoint (transformers + bitsandbytes' save) is read as it is, without
+bitsandbytes: its 4-bit weights are found by their quant_state tensors, and the modules it kept
+16-bit (llm_int8_skip_modules), the embeddings and the LM head load as usual.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -19,6 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import LeantuneError
+from ..kernels.nf4 import NF4Weight, nf4_from_bnb_state, parse_bnb_state
+from ..lora.layer import LoRALinear
 from .config import ModelConfig
 from .transformer import CausalLM
 from .weight_map import plan_weights, read_piece_into
@@ -86,29 +96,76 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 
 def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype | None = None,
-               device: str | torch.device | None = None) -> CausalLM:
+               device: str | torch.device | None = None, load_in_4bit: bool = False) -> CausalLM:
     """Build the model from a checkpoint folder or hub id and load its weights.
 
     Args:
         name_or_path: folder with config.json and safetensors, or a hub id.
-        dtype: parameter dtype; default bf16 on capable GPUs, fp16 on older ones, fp32 on CPU.
+        dtype: parameter (and compute) dtype; default: a pre-quantised checkpoint's
+            bnb_4bit_compute_dtype, else bf16 on capable GPUs, fp16 on older ones, fp32 on CPU.
         device: default "cuda" when available, else "cpu".
+        load_in_4bit: quantise the decoder layers' projection weights to NF4 while loading
+            (QLoRA); a pre-quantised bnb-4bit checkpoint is 4-bit either way.
     """
     folder = resolve_checkpoint(name_or_path)
     cfg = ModelConfig.from_file(folder / "config.json")
+    compute_dtype = bnb_compute_dtype(cfg, folder / "config.json")
+    files = safetensors_files(folder)
+    states = bnb_quant_states(files)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = dtype or default_dtype(device)
-    model = build_empty(cfg, dtype, device)
-    load_safetensors_into(model, safetensors_files(folder))
+    dtype = dtype or (compute_dtype if states else None) or default_dtype(device)
+    nf4 = {name.removesuffix(".weight"): nf4_from_bnb_state(st, dtype, "meta")
+           for name, st in states.items()}
+    if load_in_4bit and not states:
+        with torch.device("meta"):
+            projections = [name for name, _ in nf4_projections(CausalLM(cfg))]
+        nf4 = {name: None for name in projections}
+    model = build_empty(cfg, dtype, device, nf4)
+    load_safetensors_into(model, files, prequantized=set(states))
     model.source_path = folder
     return model
 
 
-def build_empty(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
-    """The model with uninitialised storage of `dtype` on `device` (built on meta first)."""
+def nf4_projections(model: CausalLM):
+    """(name, LoRALinear) of the projections a 4-bit base quantises: q/k/v/o and gate/up/down of
+    every decoder layer (the embeddings and the LM head stay 16-bit, as in bitsandbytes' QLoRA)."""
+    for name, mod in model.named_modules():
+        if isinstance(mod, LoRALinear) and name.startswith("model.layers."):
+            yield name, mod
+
+
+@torch.no_grad()
+def quantize_nf4_(model: CausalLM) -> CausalLM:
+    """Quantise the model's decoder projections to NF4 in place, one weight at a time (each
+    16-bit weight is freed as its 4-bit copy is made)."""
+    for _, mod in nf4_projections(model):
+        if mod.nf4 is None:
+            w = mod.weight
+            mod.set_nf4_base(NF4Weight(w.shape, w.dtype, device=w.device).quantize_(w))
+    return model
+
+
+def build_empty(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                nf4: dict | None = None) -> CausalLM:
+    """The model with uninitialised storage of `dtype` on `device` (built on meta first).
+    nf4: {projection name: NF4Weight on the meta device, or None for an NF4 weight of `dtype`}:
+    those projections hold a 4-bit weight instead of the 16-bit one."""
     with torch.device("meta"):
         model = CausalLM(cfg)
-    model = model.to(dtype).to_empty(device=device)
+    model = model.to(dtype)
+    for name, w in (nf4 or {}).items():
+        mod = model.get_submodule(name) if name.startswith("model.layers.") else None
+        if not isinstance(mod, LoRALinear):
+            raise LeantuneError(f"{name}.weight: a 4-bit weight where leantune reads a 16-bit "
+                                "one (only the decoder layers' projections are 4-bit; the "
+                                "embeddings and the LM head stay 16-bit); use the 16-bit "
+                                "checkpoint with --load-in-4bit")
+        shape = (mod.out_features, mod.in_features)
+        if w is not None and w.shape != shape:
+            raise LeantuneError(f"{name}.weight: 4-bit weight of shape {w.shape} (its "
+                                f"quant_state), config.json implies {shape}")
+        mod.set_nf4_base(w if w is not None else NF4Weight(shape, dtype, device="meta"))
+    model = model.to_empty(device=device)
     model.source_path = None
     return model
 
@@ -154,14 +211,83 @@ def plan_checkpoint(model: CausalLM, files: list[Path], headers: Headers | None 
                         files[0].parent), h.files
 
 
-@torch.no_grad()
-def load_safetensors_into(model: CausalLM, files: list[Path]) -> None:
-    """Fill every parameter from the checkpoint tensors the weight plan names (a tied head or
-    rotary buffers saved anyway are not read); one tensor (or one MXFP4 expert) at a time."""
+def bnb_compute_dtype(cfg: ModelConfig, where: Path) -> torch.dtype | None:
+    """The compute dtype of a bitsandbytes 4-bit checkpoint (config.json's quantization_config;
+    None when it names none, or there is no quantization_config); any other quantisation is
+    one line saying what leantune reads."""
+    q = cfg.raw.get("quantization_config")
+    if not q:
+        return None
+    method = q.get("quant_method") if isinstance(q, dict) else None
+    if method == "mxfp4":  # gpt-oss's released experts: dequantised on load (model/mxfp4.py)
+        return None
+    if method != "bitsandbytes" or q.get("load_in_8bit") or q.get("_load_in_8bit"):
+        what = "8-bit bitsandbytes" if method == "bitsandbytes" else f"{method!r}"
+        raise LeantuneError(f"{where}: quantization_config: {what} checkpoints are not "
+                            "supported; leantune reads bitsandbytes 4-bit (nf4) and gpt-oss's "
+                            "MXFP4 checkpoints, or quantises a 16-bit checkpoint with "
+                            "--load-in-4bit")
+    return DTYPES.get(str(q.get("bnb_4bit_compute_dtype")).replace("torch.", ""))
+
+
+@contextlib.contextmanager
+def open_shard(f: Path):
+    """safe_open of shard `f` (tensors read to the host); a file that cannot be read, or a
+    failure while reading it, is one line naming the file."""
     from safetensors import safe_open
 
-    plan, file_of = plan_checkpoint(model, files)
+    try:
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            yield sf
+    except LeantuneError:
+        raise
+    except Exception as e:
+        raise _unreadable(f, e) from None
+
+
+QUANT_STATE = ".quant_state.bitsandbytes__"
+
+
+def bnb_quant_states(files: list[Path]) -> dict[str, dict]:
+    """{weight name: its parsed quant_state} of the 4-bit weights of a bitsandbytes checkpoint
+    (empty for a 16-bit one). Each is checked to be NF4 as leantune reads it, stored as uint8
+    (kernels/nf4.parse_bnb_state): anything else is one line naming the tensor."""
+    states, dtypes = {}, {}
+    for f in files:
+        with open_shard(f) as sf:
+            for key in sf.keys():  # noqa: SIM118  (a safetensors handle, not a dict)
+                if QUANT_STATE in key:
+                    states[key.partition(QUANT_STATE)[0]] = parse_bnb_state(
+                        sf.get_tensor(key), key)
+                else:
+                    dtypes[key] = sf.get_slice(key).get_dtype()
+    for name in states:
+        if dtypes.get(name, "U8") != "U8":
+            raise LeantuneError(f"{name}: 4-bit weight stored as {dtypes[name]}; leantune reads "
+                                "bnb_4bit_quant_storage uint8 only")
+    return states
+
+
+@torch.no_grad()
+def load_safetensors_into(model: CausalLM, files: list[Path],
+                          prequantized: set[str] = frozenset()) -> None:
+    """Fill every parameter from the checkpoint tensors the weight plan names (a tied head or
+    rotary buffers saved anyway are not read); one tensor (or one MXFP4 expert) at a time. A
+    4-bit projection reads its bitsandbytes tensors (weight names in `prequantized`), or
+    quantises its 16-bit weight as it is read."""
+    from safetensors import safe_open
+
+    headers = read_headers(files)
+    plan, file_of = plan_checkpoint(model, files, headers)
     params = dict(model.named_parameters())
+    nf4 = {name + ".weight": m.nf4 for name, m in nf4_projections(model) if m.nf4 is not None}
+    keys = {w: [f"{w}.{p}".rstrip(".") for p in (q.bnb_parts() if w in prequantized else [""])]
+            for w, q in nf4.items()}
+    missing = sorted(k for ks in keys.values() for k in ks if k not in file_of)
+    if missing:
+        raise LeantuneError(f"{files[0].parent}: {len(missing)} weights missing from the "
+                            f"checkpoint (e.g. {missing[0]}); the download is incomplete: "
+                            "re-download the model")
     with ExitStack() as stack:
         handles: dict[Path, object] = {}
 
@@ -178,3 +304,16 @@ def load_safetensors_into(model: CausalLM, files: list[Path]) -> None:
                                     handle(piece.scales) if piece.scales else None)
                 except Exception as e:
                     raise _unreadable(file_of[piece.key], e) from None
+        for w, q in nf4.items():
+            for key in keys[w]:
+                try:
+                    t = handle(key).get_tensor(key)
+                except Exception as e:
+                    raise _unreadable(file_of[key], e) from None
+                if w in prequantized:
+                    q.load_bnb_(key[len(w):].lstrip("."), t, key)
+                elif tuple(t.shape) != tuple(q.shape):
+                    raise LeantuneError(f"{file_of[key]}: tensor {key} has shape "
+                                        f"{tuple(t.shape)}, config.json implies {tuple(q.shape)}")
+                else:
+                    q.quantize_(t)

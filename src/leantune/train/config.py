@@ -35,6 +35,7 @@ class TrainConfig:
     use_rslora: bool = False
     full: bool = False
     router_aux_loss_coef: float = 0.0  # MoE: weight of the router's load-balancing loss
+    load_in_4bit: bool = False  # QLoRA: the decoder's linear weights quantised to NF4 on load
     merge_at_end: bool = False  # LoRA: write OUTPUT/merged (base + adapter) at the end
     train_on_inputs: bool = False
     eval_data: str | None = None
@@ -126,6 +127,9 @@ class TrainConfig:
                 raise LeantuneError(f"{_flag(changed[0])} is a LoRA setting, and --full trains "
                                     f"every weight without an adapter; drop {_flag(changed[0])} "
                                     "or --full")
+        if self.full and self.load_in_4bit:
+            raise LeantuneError("--load-in-4bit trains LoRA adapters on a frozen 4-bit base, and "
+                                "--full trains every weight; drop one of them")
         if self.resume and self.overwrite:
             raise LeantuneError("--resume continues the run in --output and --overwrite replaces "
                                 "it; give one of them")

@@ -9,18 +9,27 @@ from pathlib import Path
 import torch
 
 from ..model.config import ModelConfig
-from ..model.loader import (CHECKPOINT_PATTERNS, plan_checkpoint, resolve_checkpoint,
+from ..model.loader import (CHECKPOINT_PATTERNS, bnb_compute_dtype, bnb_quant_states,
+                            plan_checkpoint, read_headers, resolve_checkpoint,
                             safetensors_files)
 from ..model.transformer import CausalLM
 
 
-def check_weights(folder: Path) -> None:
+def check_weights(folder: Path) -> bool:
     """Every weight the model needs is in a readable shard, with the shape config.json implies
-    (the loader's own weight plan, built from the headers)."""
+    (the loader's own weight plan, built from the headers; a 4-bit weight's shape is in its
+    quant_state). Returns whether the checkpoint is pre-quantised (bnb-4bit)."""
     cfg = ModelConfig.from_file(folder / "config.json")
+    bnb_compute_dtype(cfg, folder / "config.json")  # (a quantisation leantune does not read)
     with torch.device("meta"):
         model = CausalLM(cfg)
-    plan_checkpoint(model, safetensors_files(folder))
+    files = safetensors_files(folder)
+    states = bnb_quant_states(files)
+    headers = read_headers(files)
+    for name, state in states.items():  # the packed uint8 weight: its 16-bit shape is here
+        headers.shapes[name] = tuple(state["shape"])
+    plan_checkpoint(model, files, headers)
+    return bool(states)
 
 
 def locate_model(name: str) -> Path:

@@ -116,9 +116,15 @@ class Trainer:
         self._setup_data(train_data, eval_data, vocab)
         if model is None:
             weights = resolve_checkpoint(cfg.model)  # a hub model's weights download here
-            check_weights(weights)
-            self.log(f"model: loading {cfg.model}")
-            model = load_model(weights, dtype=self.dtype, device=self.device)
+            prequantized = check_weights(weights)
+            if prequantized and cfg.full:
+                raise LeantuneError(f"{weights}: a 4-bit (bnb-4bit) checkpoint is a frozen base "
+                                    "for LoRA; --full needs its 16-bit weights")
+            self.log(f"model: loading {cfg.model}" + (
+                " (4-bit NF4: quantising the decoder's linear weights as they load)"
+                if cfg.load_in_4bit and not prequantized else ""))
+            model = load_model(weights, dtype=self.dtype, device=self.device,
+                               load_in_4bit=cfg.load_in_4bit)
         torch.manual_seed(cfg.seed)
         self.model = model
         self._setup_router_aux_loss()
@@ -304,7 +310,8 @@ class Trainer:
     # are checked by the loader and the checkpoint loader; the length, --max-steps / --epochs,
     # may change: that extends or shortens the run.)
     RESUME_MUST_MATCH = ("grad_accum", "lr", "weight_decay", "warmup_steps", "schedule",
-                         "max_grad_norm", "dtype", "train_on_inputs", "router_aux_loss_coef")
+                         "max_grad_norm", "dtype", "train_on_inputs", "router_aux_loss_coef",
+                         "load_in_4bit")
 
     def _check_resumed_config(self, ckpt: Path, saved: dict) -> None:
         for key in self.RESUME_MUST_MATCH:

@@ -174,19 +174,23 @@ def _plan_model(weights: MergedWeights, quant: str) -> list[_Planned]:
 
 def export_gguf(model: str | os.PathLike, adapter_dir: str | os.PathLike | None,
                 out_dir: str | os.PathLike, quant: str = "f16", overwrite: bool = False,
-                progress: bool = False) -> GGUFExport:
+                progress: bool = False,
+                merge_onto: str | os.PathLike | None = None) -> GGUFExport:
     """Merge `adapter_dir` (optional) into `model` and write OUT/model-<quant>.gguf plus an
     Ollama Modelfile.
 
     Args:
         quant: f32 | f16 | bf16 | q8_0 | q4_0 | q5_0 | q4_k_m | q6_k (see tensors.tensor_type).
         overwrite: allow a non-empty `out_dir` (files of the same name are replaced).
+        merge_onto: for a 4-bit (bnb-4bit) `model`, its 16-bit original to merge onto instead
+            of the dequantised base (export/merge.py).
     """
     _check_quant(quant, tuple(FILE_TYPES))
     _import_gguf()
     out = Path(out_dir)
-    weights = MergedWeights(model, adapter_dir)
-    check_output_folder(out, {"base model": weights.src, "adapter": weights.adapter_dir})
+    weights = MergedWeights(model, adapter_dir, merge_onto=merge_onto)
+    check_output_folder(out, {"base model": weights.src, "adapter": weights.adapter_dir,
+                              "original model": weights.onto})
     cfg = weights.config
     arch = architecture(cfg, str(weights.src / "config.json"))
     vocab = read_vocab(weights.src, cfg.vocab_size)

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from . import __version__
+from .dist import env_rank
 from .errors import LeantuneError
 from .utils import signals
 
@@ -90,6 +91,10 @@ def _train_parser(sub) -> None:
       help="keep a frozen input embedding on the GPU (by default it stays in pinned host "
            "memory and each step reads its tokens' rows over the host link)")
     a("--compile", action="store_true", default=None, help="torch.compile each decoder layer")
+    a("--parallel", choices=["auto", "ddp", "fsdp"],
+      help="under torchrun (one process per GPU): DDP, FSDP2 (the model sharded over the GPUs), "
+           "or auto (default): DDP where the model, its trainable state and the leanest "
+           "activation plan fit one GPU, else FSDP2; ignored in one process")
     e = p.add_argument_group("engine", "how the layers run (all saved with the run)")
     e.add_argument("--no-fused-layers", dest="fused_layers", action="store_false", default=None,
                    help="autograd (+ torch.utils.checkpoint) instead of the hand-written layer "
@@ -142,6 +147,7 @@ def _config_from_args(args):
 
 
 def cmd_train(args) -> int:
+    from .dist.setup import shutdown
     from .train.trainer import Trainer
 
     cfg, demo = _config_from_args(args)
@@ -151,8 +157,11 @@ def cmd_train(args) -> int:
               "with leantune on its bundled instruction data (CPU-friendly: under a minute on 2 cores).")
     trainer = Trainer(cfg)
     result = trainer.train()
-    if result.steps_run == 0:
-        return 0  # a finished run resumed: the trainer said so
+    writer = trainer.parallel.writer
+    del trainer  # under torchrun: DDP and FSDP2 go before the process group they use
+    shutdown()
+    if result.steps_run == 0 or not writer:
+        return 0  # a finished run resumed (the trainer said so), or not rank 0 of torchrun's
     out = Path(cfg.output)
     if result.first_eval_loss is not None and result.final_eval_loss is not None:
         print(f"eval loss: {result.first_eval_loss:.4f} -> {result.final_eval_loss:.4f}")
@@ -287,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         except LeantuneError as e:
             if e.exit_code == 2 and signals.received():  # a library turned Ctrl-C into an error
                 return _interrupted(signals.received())
-            print(f"leantune: error: {e}", file=sys.stderr)
+            if env_rank() == 0:  # under torchrun every process has the error: rank 0 says it
+                print(f"leantune: error: {e}", file=sys.stderr)
             return e.exit_code
         except KeyboardInterrupt as e:  # before a run started, or in an export: nothing written
             return _interrupted(e)
@@ -298,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _interrupted(interrupt: KeyboardInterrupt) -> int:
-    print(f"leantune: {signals.describe(interrupt)}; nothing was written", file=sys.stderr)
+    if env_rank() == 0:
+        print(f"leantune: {signals.describe(interrupt)}; nothing was written", file=sys.stderr)
     return signals.exit_code(interrupt)
 
 

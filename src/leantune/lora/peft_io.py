@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from ..dist.tensors import full_tensor
 from ..errors import LeantuneError
 from .config import ALL_TARGETS, LoRAConfig, apply_lora, lora_layers
 
@@ -33,12 +34,14 @@ def parse_key(key: str) -> tuple[str, str]:
 
 
 def adapter_state_dict(model) -> dict[str, torch.Tensor]:
-    """PEFT-named LoRA tensors (contiguous, on the CPU)."""
+    """PEFT-named LoRA tensors (contiguous, on the CPU; whole where FSDP2 shards them: a
+    collective, which every process calls)."""
     out = {}
     for name, layer in lora_layers(model):
         if layer.has_lora:
-            out[f"{PREFIX}{name}.lora_A.weight"] = layer.lora_A.weight.detach().cpu().contiguous()
-            out[f"{PREFIX}{name}.lora_B.weight"] = layer.lora_B.weight.detach().cpu().contiguous()
+            for which, lin in (("A", layer.lora_A), ("B", layer.lora_B)):
+                out[f"{PREFIX}{name}.lora_{which}.weight"] = (
+                    full_tensor(lin.weight.detach()).cpu().contiguous())
     return out
 
 
@@ -60,19 +63,25 @@ def peft_config_dict(cfg: LoRAConfig, base_model_name: str | None) -> dict:
     }
 
 
-def save_adapter(model, out_dir: str | os.PathLike, base_model_name: str | None = None) -> None:
-    """Write adapter_model.safetensors and adapter_config.json atomically into out_dir."""
+def save_adapter(model, out_dir: str | os.PathLike, base_model_name: str | None = None,
+                 write: bool = True) -> None:
+    """Write adapter_model.safetensors and adapter_config.json atomically into out_dir. Under
+    torchrun every process calls this (FSDP2 gathers the adapters); only rank 0 (`write`)
+    writes."""
     from safetensors.torch import save_file
 
     from ..utils.io import atomic_write_json, atomic_path
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     cfg = getattr(model, "lora_config", None)
     if cfg is None:
         raise LeantuneError("the model has no LoRA adapter to save (trained with --full?)")
+    tensors = adapter_state_dict(model)
+    if not write:
+        return
+    out.mkdir(parents=True, exist_ok=True)
     with atomic_path(out / ADAPTER_WEIGHTS) as tmp:
-        save_file(adapter_state_dict(model), str(tmp), metadata={"format": "pt"})
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
     atomic_write_json(out / ADAPTER_CONFIG, peft_config_dict(cfg, base_model_name))
 
 

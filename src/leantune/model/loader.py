@@ -109,8 +109,12 @@ def build_empty(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> C
 
 
 @torch.no_grad()
-def load_safetensors_into(model: CausalLM, files: list[Path]) -> None:
-    """Copy every tensor of `files` into the parameter of the same name; all must be filled."""
+def load_safetensors_into(model: CausalLM, files: list[Path], rows=None) -> None:
+    """Copy every tensor of `files` into the parameter of the same name; all must be filled.
+
+    rows(param) -> (tensor, slice): for a parameter of which this process holds only some rows
+    (FSDP2: leantune.dist.fsdp), the tensor holding them and which rows of dim 0 they are; only
+    those rows are read from the file."""
     from safetensors import safe_open
 
     params = dict(model.named_parameters())
@@ -121,12 +125,18 @@ def load_safetensors_into(model: CausalLM, files: list[Path]) -> None:
                 for key in sf.keys():
                     if key not in params:
                         continue  # a tied head saved anyway, rotary buffers of old checkpoints
-                    t = sf.get_tensor(key)
                     p = params[key]
-                    if t.shape != p.shape:
-                        raise LeantuneError(f"{f}: tensor {key} has shape {tuple(t.shape)}, "
+                    sl = sf.get_slice(key)
+                    shape = tuple(sl.get_shape())
+                    if shape != tuple(p.shape):
+                        raise LeantuneError(f"{f}: tensor {key} has shape {shape}, "
                                             f"config.json implies {tuple(p.shape)}")
-                    p.copy_(t, non_blocking=False)
+                    if rows is None:
+                        p.copy_(sf.get_tensor(key), non_blocking=False)
+                    else:
+                        dst, part = rows(p)
+                        if part.stop > part.start:
+                            dst.copy_(sl[part], non_blocking=False)
                     missing.discard(key)
         except LeantuneError:
             raise

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from . import __version__
+from .dist import env_rank
 from .errors import LeantuneError
 from .utils import signals
 
@@ -100,6 +101,10 @@ def _train_parser(sub) -> None:
       help="keep a frozen input embedding on the GPU (by default it stays in pinned host "
            "memory and each step reads its tokens' rows over the host link)")
     a("--compile", action="store_true", default=None, help="torch.compile each decoder layer")
+    a("--parallel", choices=["auto", "ddp", "fsdp"],
+      help="under torchrun (one process per GPU): DDP, FSDP2 (the model sharded over the GPUs), "
+           "or auto (default): DDP where the model, its trainable state and the leanest "
+           "activation plan fit one GPU, else FSDP2; ignored in one process")
     e = p.add_argument_group("engine", "how the layers run (all saved with the run)")
     e.add_argument("--no-fused-layers", dest="fused_layers", action="store_false", default=None,
                    help="autograd (+ torch.utils.checkpoint) instead of the hand-written layer "
@@ -152,6 +157,7 @@ def _config_from_args(args):
 
 
 def cmd_train(args) -> int:
+    from .dist.setup import shutdown
     from .train.trainer import Trainer
 
     cfg, demo = _config_from_args(args)
@@ -161,9 +167,13 @@ def cmd_train(args) -> int:
               "with leantune on its bundled instruction data (CPU-friendly: under a minute on 2 cores).")
     trainer = Trainer(cfg)
     result = trainer.train()
-    if result.steps_run == 0:
-        return 0  # a finished run resumed: the trainer said so
+    writer = trainer.parallel.writer
     out = Path(cfg.output)
+    answer = _demo_answer(trainer, out) if demo and writer and result.steps_run else None
+    del trainer  # under torchrun: DDP and FSDP2 go before the process group they use
+    shutdown()
+    if result.steps_run == 0 or not writer:
+        return 0  # a finished run resumed (the trainer said so), or not rank 0 of torchrun's
     if result.first_eval_loss is not None and result.final_eval_loss is not None:
         print(f"eval loss: {result.first_eval_loss:.4f} -> {result.final_eval_loss:.4f}")
     what = "full model" if cfg.full else "LoRA adapter (PEFT format)"
@@ -175,7 +185,7 @@ def cmd_train(args) -> int:
         for line in vllm_lora_lines(cfg.model, out, cfg.lora_r):
             print(line)
     if demo:
-        _demo_answer(trainer, out)
+        print(answer)
         print(f"\nNext, with your own model and data ({OPEN_MODEL} downloads without a "
               f"licence to accept):\n"
               f"  leantune train --model {OPEN_MODEL} --data my_data.jsonl --output my-run\n"
@@ -185,9 +195,10 @@ def cmd_train(args) -> int:
     return 0
 
 
-def _demo_answer(trainer, out: Path) -> None:
-    """The fine-tuned demo model's answer to a held-out question (a capital: what the tiny model
-    knows from pretraining), asked in the alpaca prompt it was trained on."""
+def _demo_answer(trainer, out: Path) -> str:
+    """The lines that show the fine-tuned demo model's answer to a held-out question (a
+    capital: what the tiny model knows from pretraining), asked in the alpaca prompt it was
+    trained on."""
     from . import assets
     from .generate import generate
     from .generate.prompts import read_prompt_file
@@ -195,9 +206,9 @@ def _demo_answer(trainer, out: Path) -> None:
     rows = read_prompt_file(assets.path("data/tiny_sft_eval.jsonl"))
     row, prompt, _ = next((r for r in rows if "capital" in r[0]["instruction"]), rows[0])
     answer = generate(trainer.model, trainer.tokenizer, prompt, max_new_tokens=32)[0].text
-    print(f"\nthe fine-tuned model, asked a held-out question: {row['instruction']}\n"
-          f"  {' '.join(answer.split()) or '(an empty answer)'}\n"
-          f"chat with it: leantune chat --adapter {out}   (it knows capitals: ask for one)")
+    return (f"\nthe fine-tuned model, asked a held-out question: {row['instruction']}\n"
+            f"  {' '.join(answer.split()) or '(an empty answer)'}\n"
+            f"chat with it: leantune chat --adapter {out}   (it knows capitals: ask for one)")
 
 
 def cmd_generate(args) -> int:
@@ -457,7 +468,8 @@ def main(argv: list[str] | None = None) -> int:
         except LeantuneError as e:
             if e.exit_code == 2 and signals.received():  # a library turned Ctrl-C into an error
                 return _interrupted(signals.received())
-            print(f"leantune: error: {e}", file=sys.stderr)
+            if env_rank() == 0:  # under torchrun every process has the error: rank 0 says it
+                print(f"leantune: error: {e}", file=sys.stderr)
             return e.exit_code
         except KeyboardInterrupt as e:  # before a run started, or in an export: nothing written
             return _interrupted(e)
@@ -468,7 +480,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _interrupted(interrupt: KeyboardInterrupt) -> int:
-    print(f"leantune: {signals.describe(interrupt)}; nothing was written", file=sys.stderr)
+    if env_rank() == 0:
+        print(f"leantune: {signals.describe(interrupt)}; nothing was written", file=sys.stderr)
     return signals.exit_code(interrupt)
 
 

@@ -346,8 +346,9 @@ class PackedLoader:
             if key in state and state[key] != value:
                 raise LeantuneError(
                     f"cannot resume the data loader: the checkpoint has {key}={state[key]!r} but "
-                    f"this run has {key}={value!r}; resume with the same data, --batch-size, "
-                    "--max-seq-len and --seed")
+                    f"this run has {key}={value!r}; resume with the same data, --batch-size "
+                    "(under torchrun: the same --batch-size times processes), --max-seq-len and "
+                    "--seed")
         epoch, index = int(state["epoch"]), int(state["batch_index"])
         if epoch < 0 or not 0 <= index <= len(self):
             raise LeantuneError(

@@ -312,7 +312,10 @@ class _LayerRun:
         if not keeps_state:  # q/k/v and attention's output are done with: free them before
             del qkv, attn2, state  # the MLP runs
         X2, _ = self._normed(self.layer.post_attention_layernorm, h_mid, self.gu)
-        out = torch.empty_like(h_mid)
+        # the layer's output is returned as allocated, not as a view: FSDP2 warns about a module
+        # returning a view (an in-place op on it would skip its pre-backward hook)
+        out3 = x.new_empty(B, T, H)
+        out = out3.view(B * T, H)
         xa_down = (x2.new_empty(B * T, self.down.R)
                    if keeps_state and self.down.has_lora_cols else None)
         for rows in self._chunks(B * T, keep >= Keep.ALL, x.element_size(), forward=True):
@@ -326,7 +329,7 @@ class _LayerRun:
             del Hb
         if not self.in_graph:
             self._drop_groups()
-            return out.view(B, T, H)
+            return out3
         kept = Kept(x=x2)
         if keep >= Keep.ATTENTION:
             xa_gu = self.gu.lora_cols(X2)
@@ -338,7 +341,7 @@ class _LayerRun:
             kept.gu = gu
         self.handle = self.ex.store.put(kept, self.plan.offload)
         self.shape = x.shape
-        return out.view(B, T, H)
+        return out3
 
     # --- backward ----------------------------------------------------------------------------
     def backward(self, dout: torch.Tensor, need_dx: bool = True

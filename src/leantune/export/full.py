@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from ..dist.tensors import full_tensor
 from ..utils.io import atomic_write_json
 from .shards import write_sharded
 
@@ -32,16 +33,22 @@ def set_config_dtype(config: dict, dtype: str) -> None:
 
 
 def save_full_model(model, out: Path, source: Path | None = None,
-                    max_shard_bytes: int = 4 << 30) -> None:
-    """Write the model's weights (HF names) + config.json (+ side files from `source`)."""
+                    max_shard_bytes: int = 4 << 30, write: bool = True) -> None:
+    """Write the model's weights (HF names) + config.json (+ side files from `source`). Weights
+    that FSDP2 shards are gathered one at a time as they are written: under torchrun every
+    process calls this, and only rank 0 (`write`) writes."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     entries = []
     for name, p in model.named_parameters():
         if "lora_" in name:
             continue
         entries.append((name, p.numel() * p.element_size(),
-                        lambda p=p: p.detach().to("cpu")))
+                        lambda p=p: full_tensor(p.detach()).to("cpu")))
+    if not write:  # take part in the gathers, in the writer's order
+        for _, _, make in entries:
+            make()
+        return
+    out.mkdir(parents=True, exist_ok=True)
     write_sharded(entries, out, max_shard_bytes)
     config = dict(model.config.raw)
     config.pop("quantization_config", None)  # the weights are written dense (MXFP4 dequantised)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from ..dist.tensors import full_tensor
 from ..errors import LeantuneError
 from .config import ALL_TARGETS, EXPERTS, LoRAConfig, apply_lora, expert_layers, lora_layers
 
@@ -124,10 +125,11 @@ def unmatched(where, base: str) -> LeantuneError:
 
 
 def adapter_state_dict(model) -> dict[str, torch.Tensor]:
-    """PEFT-named LoRA tensors (contiguous, on the CPU)."""
+    """PEFT-named LoRA tensors (contiguous, on the CPU; whole where FSDP2 shards them: a
+    collective, which every process calls)."""
     out = {}
     for base, (a, b) in adapted_tensors(model).items():
-        a, b = a.detach().cpu(), b.detach().cpu()
+        a, b = full_tensor(a.detach()).cpu(), full_tensor(b.detach()).cpu()  # (FSDP2: whole)
         if a.dim() == 3:
             a, b = to_peft(a, b)
         out[peft_name(base, "A")] = a.contiguous()
@@ -157,19 +159,25 @@ def peft_config_dict(cfg: LoRAConfig, base_model_name: str | None, modules: list
     }
 
 
-def save_adapter(model, out_dir: str | os.PathLike, base_model_name: str | None = None) -> None:
-    """Write adapter_model.safetensors and adapter_config.json atomically into out_dir."""
+def save_adapter(model, out_dir: str | os.PathLike, base_model_name: str | None = None,
+                 write: bool = True) -> None:
+    """Write adapter_model.safetensors and adapter_config.json atomically into out_dir. Under
+    torchrun every process calls this (FSDP2 gathers the adapters); only rank 0 (`write`)
+    writes."""
     from safetensors.torch import save_file
 
     from ..utils.io import atomic_write_json, atomic_path
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     cfg = getattr(model, "lora_config", None)
     if cfg is None:
         raise LeantuneError("the model has no LoRA adapter to save (trained with --full?)")
+    tensors = adapter_state_dict(model)
+    if not write:
+        return
+    out.mkdir(parents=True, exist_ok=True)
     with atomic_path(out / ADAPTER_WEIGHTS) as tmp:
-        save_file(adapter_state_dict(model), str(tmp), metadata={"format": "pt"})
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
     modules = {name.rsplit(".", 1)[-1] for name, layer in lora_layers(model) if layer.has_lora}
     atomic_write_json(out / ADAPTER_CONFIG, peft_config_dict(
         cfg, base_model_name, [t for t in ALL_TARGETS if t in modules]))

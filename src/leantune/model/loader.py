@@ -16,6 +16,7 @@ bitsandbytes: its 4-bit weights are found by their quant_state tensors, and the 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -211,6 +212,19 @@ def plan_checkpoint(model: CausalLM, files: list[Path], headers: Headers | None 
                         files[0].parent), h.files
 
 
+def _read_rows_into(p: torch.Tensor, piece, sf, rows) -> None:
+    """This process's rows (dim 0) of parameter `p` from checkpoint piece `piece`: a whole
+    tensor's slice of rows, or, for one expert of a stacked parameter (dim 0: experts), that
+    expert when it is among this process's rows."""
+    dst, part = rows(p)
+    if piece.expert is None:
+        if part.stop > part.start:
+            dst.copy_(sf.get_slice(piece.key)[part])
+    elif part.start <= piece.expert < part.stop:
+        local = dataclasses.replace(piece, expert=piece.expert - part.start)
+        local.target(dst).copy_(sf.get_tensor(piece.key))
+
+
 def bnb_compute_dtype(cfg: ModelConfig, where: Path) -> torch.dtype | None:
     """The compute dtype of a bitsandbytes 4-bit checkpoint (config.json's quantization_config;
     None when it names none, or there is no quantization_config); any other quantisation is
@@ -270,11 +284,15 @@ def bnb_quant_states(files: list[Path]) -> dict[str, dict]:
 
 @torch.no_grad()
 def load_safetensors_into(model: CausalLM, files: list[Path],
-                          prequantized: set[str] = frozenset()) -> None:
+                          prequantized: set[str] = frozenset(), rows=None) -> None:
     """Fill every parameter from the checkpoint tensors the weight plan names (a tied head or
     rotary buffers saved anyway are not read); one tensor (or one MXFP4 expert) at a time. A
     4-bit projection reads its bitsandbytes tensors (weight names in `prequantized`), or
-    quantises its 16-bit weight as it is read."""
+    quantises its 16-bit weight as it is read.
+
+    rows(param) -> (tensor, slice): for a parameter of which this process holds only some rows
+    (FSDP2: leantune.dist.fsdp), the tensor holding them and which rows of dim 0 they are; only
+    those rows are read from the file."""
     from safetensors import safe_open
 
     headers = read_headers(files)
@@ -297,11 +315,20 @@ def load_safetensors_into(model: CausalLM, files: list[Path],
                 handles[f] = stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
             return handles[f]
 
+        if rows is not None and (nf4 or any(piece.scales for pieces in plan.values()
+                                             for piece in pieces)):
+            raise LeantuneError(f"{files[0].parent}: FSDP2 (--parallel fsdp) does not load 4-bit "
+                                "bases or MXFP4 experts yet; use --parallel ddp")
         for name, pieces in plan.items():
             for piece in pieces:
                 try:
-                    read_piece_into(params[name], piece, handle(piece.key),
-                                    handle(piece.scales) if piece.scales else None)
+                    if rows is None:
+                        read_piece_into(params[name], piece, handle(piece.key),
+                                        handle(piece.scales) if piece.scales else None)
+                    else:
+                        _read_rows_into(params[name], piece, handle(piece.key), rows)
+                except LeantuneError:
+                    raise
                 except Exception as e:
                     raise _unreadable(file_of[piece.key], e) from None
         for w, q in nf4.items():

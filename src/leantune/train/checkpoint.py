@@ -8,7 +8,9 @@ OUTPUT/checkpoints/step-00000100/
     rng.safetensors         torch CPU and CUDA RNG states; Python's `random` state (metadata)
     state.json              step, data position, fp16 loss scale (if any), config snapshot
 Nothing in a checkpoint is a pickle: `--resume` of a folder someone shared runs no code. State
-is keyed by parameter name, not by position, so a mismatch is named. The folder is written as a
+is keyed by parameter name, not by position, so a mismatch is named. Tensors are whole (FSDP2's
+shards gathered) and the data position counts global batches, so a run resumes on any number of
+processes that keeps its global batch (under torchrun rank 0 writes). The folder is written as a
 hidden temporary folder and renamed into place when complete, so a crash never leaves a
 half-written checkpoint that `--resume` would pick up.
 """
@@ -23,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from ..dist.tensors import copy_full_into, full_tensor, like_param
 from ..errors import LeantuneError
 from ..utils.io import atomic_write_json
 
@@ -66,10 +69,16 @@ def _load_rng(path: Path) -> dict:
     return st
 
 
-def _save_optimizer(folder: Path, model, optimizer) -> None:
-    """Optimizer state tensors by parameter name, hyper-parameters as JSON."""
-    from safetensors.torch import save_file
+def _whole(t: torch.Tensor, keep: bool) -> torch.Tensor | None:
+    """`t` whole (gathered from every process where it is sharded: all of them call this, in
+    the same order), on the CPU where `keep`, else None."""
+    t = full_tensor(t.detach())
+    return t.cpu().contiguous() if keep else None
 
+
+def _optimizer_state(model, optimizer, keep: bool) -> tuple[dict, list]:
+    """Optimizer state tensors by "<parameter name>.<state key>" (whole; only where `keep`),
+    and the hyper-parameters of each group with its parameters' names."""
     names = {id(p): n for n, p in model.named_parameters()}
     tensors, groups = {}, []
     for group in optimizer.param_groups:
@@ -77,9 +86,8 @@ def _save_optimizer(folder: Path, model, optimizer) -> None:
         groups[-1]["params"] = [names[id(p)] for p in group["params"]]
         for p in group["params"]:
             for key, value in optimizer.state.get(p, {}).items():
-                tensors[f"{names[id(p)]}.{key}"] = value.detach().cpu().contiguous()
-    save_file(tensors, str(folder / "optimizer.safetensors"))
-    atomic_write_json(folder / "optimizer.json", {"param_groups": groups})
+                tensors[f"{names[id(p)]}.{key}"] = _whole(value, keep)
+    return tensors, groups
 
 
 def _read_optimizer(folder: Path) -> tuple[list[dict], dict[str, dict]]:
@@ -111,9 +119,9 @@ def _optimizer_state_dict(saved, model, optimizer, where: Path, same: str) -> di
             raise LeantuneError(f"{where}: the optimizer state does not match this run's "
                                 f"parameters (e.g. {other}); {same}")
         indices = list(range(index, index + len(mine)))
-        for i, name in zip(indices, mine):
-            if name in per_param:
-                state[i] = per_param[name]
+        for i, name, p in zip(indices, mine, group["params"]):
+            if name in per_param:  # (sharded like the parameter where it is: FSDP2)
+                state[i] = {k: like_param(v, p) for k, v in per_param[name].items()}
         hyper = {k: tuple(v) if isinstance(v, list) else v for k, v in saved_group.items()
                  if k != "params"}
         groups.append({**hyper, "params": indices})
@@ -121,19 +129,27 @@ def _optimizer_state_dict(saved, model, optimizer, where: Path, same: str) -> di
     return {"state": state, "param_groups": groups}
 
 
-def save_checkpoint(output: Path, step: int, model, optimizer, state: dict, keep: int = 2) -> Path:
+def save_checkpoint(output: Path, step: int, model, optimizer, state: dict, keep: int = 2,
+                    write: bool = True) -> Path:
+    """Write checkpoint `step` (keeping the last `keep`); returns its folder. Sharded tensors
+    (FSDP2) are saved whole, so any number of processes resumes from it. Under torchrun every
+    process calls this (for the gathers); only rank 0 (`write`) writes."""
     from safetensors.torch import save_file
 
     root = output / CKPT_DIR
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:08d}"
+    params = {n: _whole(p, write) for n, p in model.named_parameters() if p.requires_grad}
+    opt_tensors, opt_groups = _optimizer_state(model, optimizer, write)
+    if not write:
+        return final
+    root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp-step-{step:08d}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    params = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
     save_file(params, str(tmp / "trainable.safetensors"))
-    _save_optimizer(tmp, model, optimizer)
+    save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+    atomic_write_json(tmp / "optimizer.json", {"param_groups": opt_groups})
     _save_rng(tmp / "rng.safetensors")
     atomic_write_json(tmp / "state.json", dict(state, step=step))
     for f in tmp.iterdir():
@@ -191,7 +207,7 @@ def load_checkpoint(path: Path, model, optimizer) -> dict:
                             f"checkpoint (e.g. {missing[0]}); {same}")
     opt_state = _optimizer_state_dict(saved_optimizer, model, optimizer, path, same)
     for n, t in tensors.items():
-        params[n].copy_(t)
+        copy_full_into(params[n], t)  # (FSDP2: this process's rows)
     try:
         optimizer.load_state_dict(opt_state)
     except (ValueError, KeyError, RuntimeError) as e:

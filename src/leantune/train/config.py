@@ -57,6 +57,7 @@ class TrainConfig:
     offload_embedding: bool = True  # frozen, untied input embedding in pinned host memory (CUDA)
     max_memory_gib: float | None = None  # GPU memory the run may use (auto activations)
     compile: bool = False  # torch.compile each decoder layer
+    parallel: str = "auto"  # under torchrun: ddp | fsdp | auto (one process: ignored)
     progress: bool = True
     # engine options (leantune.engine.options.EngineOptions: what each means)
     kernels: str = "auto"
@@ -138,6 +139,8 @@ class TrainConfig:
         if self.activations not in ("auto", "keep", "recompute", "offload"):
             raise LeantuneError(f"--activations must be auto, keep, recompute or offload, "
                                 f"got {self.activations!r}")
+        if self.parallel not in ("auto", "ddp", "fsdp"):
+            raise LeantuneError(f"--parallel must be auto, ddp or fsdp, got {self.parallel!r}")
         if self.dtype not in (None, "bfloat16", "float16", "float32"):
             raise LeantuneError(f"--dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
         self.engine_options()

@@ -22,15 +22,26 @@ class MetricsWriter:
         self._f.close()
 
 
+class NoMetrics:
+    """The metrics writer of a process that writes nothing (under torchrun, all but rank 0)."""
+
+    def write(self, record: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class Progress:
     """Where a run reports its steps: a tqdm bar (ETA from tqdm) when stdout is a terminal and
     `bar` is on, else one plain line per logged step. Everything goes to stdout, like the rest of
     a run's log and summary, so `leantune train ... > log` keeps the whole run (errors go to
-    stderr: add `2>&1` for them)."""
+    stderr: add `2>&1` for them). `quiet`: nothing at all (under torchrun, all but rank 0)."""
 
-    def __init__(self, total: int, initial: int = 0, bar: bool = True):
+    def __init__(self, total: int, initial: int = 0, bar: bool = True, quiet: bool = False):
         self.bar = None
-        if bar and sys.stdout.isatty():
+        self.quiet = quiet
+        if bar and not quiet and sys.stdout.isatty():
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
@@ -38,6 +49,8 @@ class Progress:
         self.total = total
 
     def update(self, step: int, loss: float, tok_s: float, eta_s: float | None = None) -> None:
+        if self.quiet:
+            return
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:,.0f}", refresh=False)
             self.bar.update(step - self.bar.n)
@@ -47,6 +60,8 @@ class Progress:
                   flush=True)
 
     def write(self, msg: str) -> None:
+        if self.quiet:
+            return
         if self.bar is not None:
             self.bar.write(msg, file=sys.stdout)
         else:

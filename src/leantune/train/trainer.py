@@ -25,16 +25,19 @@ import json
 import math
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from ..data.sources import check_source
-from ..data.sources import check_source
+from ..dist.data import RankLoader, window_tokens
+from ..dist.parallel import Parallel
+from ..dist.tensors import full_tensor
 from ..errors import LeantuneError
 from ..lora import LoRAConfig, apply_lora, save_adapter
 from ..model.config import ModelConfig
-from ..model.loader import DTYPES, default_dtype, load_model, resolve_checkpoint
+from ..model.loader import DTYPES, build_empty, default_dtype, load_model, resolve_checkpoint
 from ..utils import signals
 from ..utils.io import atomic_write_json, atomic_write_text
 from ..utils.paths import check_output_folder
@@ -48,7 +51,7 @@ from .checkpoint import (
 from .config import TrainConfig
 from .health import NonFiniteWatch
 from .merge_at_end import check_merge_at_end, merge_at_end
-from .metrics import Progress
+from .metrics import NoMetrics, Progress
 from .output import FULL_INDEX, RUN_CONFIG, RunFolder
 from .plot import plot_after_training
 from .preflight import check_weights, locate_model
@@ -78,12 +81,58 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, model=None, tokenizer=None, train_data=None,
                  eval_data=None, log=print):
         self.cfg = cfg.validate()
-        self.log = log
+        # under torchrun: the process group, this process's device; rank 0 alone logs and writes
+        self.parallel = Parallel.start(resolve_device(cfg.device))
+        self.log = log if self.parallel.writer else _quiet
         self.output = Path(cfg.output)
-        self.device = resolve_device(cfg.device)
+        self.device = self.parallel.device
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # Triton launches (and bf16 checks) use it
         self.dtype = DTYPES[cfg.dtype] if cfg.dtype else default_dtype(self.device)
+        with self.parallel.agreeing():  # an error in any process: every process stops with it
+            model_dir, weights = self._check(model, tokenizer, train_data, eval_data)
+        model_config = model.config if model is not None else ModelConfig.from_file(
+            model_dir / "config.json")
+        self.parallel.choose(cfg, model_config, self.dtype, self.log)
+        if model is None:
+            four_bit = cfg.load_in_4bit or self.prequantized
+            if self.parallel.sharded and four_bit:
+                raise LeantuneError("a 4-bit base (QLoRA) with FSDP2 is not supported yet; use "
+                                    "--parallel ddp")
+            if self.parallel.sharded:  # built on the meta device; each process loads its rows
+                model = build_empty(model_config, self.dtype, torch.device("meta"))
+                model.source_path = weights
+            else:
+                self.log(f"model: loading {cfg.model}" + (
+                    " (4-bit NF4: quantising the decoder's linear weights as they load)"
+                    if cfg.load_in_4bit and not self.prequantized else ""))
+                model = load_model(weights, dtype=self.dtype, device=self.device,
+                                   load_in_4bit=cfg.load_in_4bit)
+                weights = None
+        torch.manual_seed(cfg.seed)
+        self.model = model
+        self._setup_router_aux_loss()
+        self._setup_trainable()
+        self.forward_model = self.parallel.wrap(model, weights, seed=cfg.seed)
+        self.params = [p for p in model.parameters() if p.requires_grad]  # (FSDP2: its shards)
+        self._setup_optimizer()
+        self.watch = NonFiniteWatch(self.device, loss_scaling=self.scaler is not None)
+        self.step = 0
+        self.router_aux_loss = None  # the last step's (--router-aux-loss-coef), on the device
+        self.tokens_seen = 0
+        self.first_eval_loss = None
+        self.saved_step = None  # the step of the last checkpoint this run wrote or resumed
+        if cfg.resume:
+            self._resume()
+        if self.parallel.rank:  # dropout masks: a stream of its own in each process
+            torch.manual_seed(cfg.seed + 7919 * self.parallel.rank + self.step)
+
+    def _check(self, model, tokenizer, train_data, eval_data) -> tuple[Path | None, Path | None]:
+        """Everything that can be checked before the weights load: flags, the output folder,
+        the tokenizer, the data, the checkpoint's config and safetensors headers. Returns the
+        model's folder (config and tokenizer; None where not needed) and its weights' folder
+        (None where `model` is given)."""
+        cfg = self.cfg
         if cfg.full and self.dtype == torch.float16:
             raise LeantuneError("--full with float16 weights is not supported (no fp32 master "
                                 "weights for loss scaling); use --dtype float32, or bfloat16 on "
@@ -103,9 +152,10 @@ class Trainer:
                                     "id)")
             model_dir = locate_model(cfg.model)  # config and tokenizer; weights later
         check_output_folder(self.output, {"model": model_dir})
-        self.run_folder = RunFolder(self.output, log)
-        self.run_folder.settle_leftover()
-        self.run_folder.check(cfg.resume, cfg.overwrite)
+        self.run_folder = RunFolder(self.output, self.log)
+        if self.parallel.writer:  # (the other processes learn of an error through `agreeing`)
+            self.run_folder.settle_leftover()
+            self.run_folder.check(cfg.resume, cfg.overwrite)
 
         self.tokenizer = (tokenizer if tokenizer is not None or train_data is not None
                           else load_tokenizer(model_dir))
@@ -114,30 +164,14 @@ class Trainer:
         vocab = (model.config if model is not None
                  else ModelConfig.from_file(model_dir / "config.json")).vocab_size
         self._setup_data(train_data, eval_data, vocab)
+        weights, self.prequantized = None, False
         if model is None:
             weights = resolve_checkpoint(cfg.model)  # a hub model's weights download here
-            prequantized = check_weights(weights)
-            if prequantized and cfg.full:
+            self.prequantized = check_weights(weights)
+            if self.prequantized and cfg.full:
                 raise LeantuneError(f"{weights}: a 4-bit (bnb-4bit) checkpoint is a frozen base "
                                     "for LoRA; --full needs its 16-bit weights")
-            self.log(f"model: loading {cfg.model}" + (
-                " (4-bit NF4: quantising the decoder's linear weights as they load)"
-                if cfg.load_in_4bit and not prequantized else ""))
-            model = load_model(weights, dtype=self.dtype, device=self.device,
-                               load_in_4bit=cfg.load_in_4bit)
-        torch.manual_seed(cfg.seed)
-        self.model = model
-        self._setup_router_aux_loss()
-        self._setup_trainable()
-        self._setup_optimizer()
-        self.watch = NonFiniteWatch(self.device, loss_scaling=self.scaler is not None)
-        self.step = 0
-        self.router_aux_loss = None  # the last step's (--router-aux-loss-coef), on the device
-        self.tokens_seen = 0
-        self.first_eval_loss = None
-        self.saved_step = None  # the step of the last checkpoint this run wrote or resumed
-        if cfg.resume:
-            self._resume()
+        return model_dir, weights
 
     # --- setup ---------------------------------------------------------------------------------
     def _setup_trainable(self) -> None:
@@ -159,6 +193,7 @@ class Trainer:
             apply_lora(m, lcfg, seed=cfg.seed, dtype=torch.float32)
         self.params = [p for p in m.parameters() if p.requires_grad]
         options, overridden = cfg.engine_options().with_env_overrides()
+        options = self.parallel.engine_options(options)  # FSDP2: no packed projections
         if overridden:
             self.log(f"engine options from the environment: "
                      f"{', '.join(f'{k}={getattr(options, k)}' for k in overridden)}")
@@ -166,7 +201,8 @@ class Trainer:
         kernels.set_backend(options.kernels)
         self.engine = Engine(options)
         cuda = self.device.type == "cuda"
-        if cfg.offload_embedding and cuda and m.offload_embedding():
+        if (cfg.offload_embedding and cuda and not self.parallel.sharded  # (FSDP2 shards it)
+                and m.offload_embedding()):
             torch.cuda.empty_cache()
             self.log("input embedding: in pinned host memory (--no-offload-embedding keeps it "
                      "on the GPU)")
@@ -190,12 +226,10 @@ class Trainer:
                         options=options)
         policy = cfg.activations
         if policy == "auto" and cuda:
-            # fixed: weights (allocated now) + fp32 grads and two AdamW moments of trainables
-            fixed = torch.cuda.memory_allocated(self.device) + sum(
-                3 * 4 * p.numel() for p in self.params)
+            fixed = self._fixed_bytes()
             budget = gpu_budget_bytes(self.device, cfg.max_memory_gib)
             try:
-                mem = plan_memory(work, budget, fixed)
+                mem = plan_memory(work, budget, fixed, host_bytes=self.parallel.host_bytes())
             except BudgetTooSmall as e:
                 raise LeantuneError(budget_message(cfg, budget, e)) from None
             plans = mem.layers
@@ -237,6 +271,15 @@ class Trainer:
                                 "; leave the flag out")
         self.model.router_aux_loss = True
 
+    def _fixed_bytes(self) -> float:
+        """GPU bytes of weights and optimizer state, beside which activations are planned: the
+        weights (allocated now) and the trainables' fp32 gradient and two AdamW moments; under
+        FSDP2 this process's share, from the parameters' shapes (dist/fsdp.fixed_bytes)."""
+        if self.parallel.sharded:
+            return self.parallel.fixed_bytes(self.model)
+        return torch.cuda.memory_allocated(self.device) + sum(3 * 4 * p.numel()
+                                                              for p in self.params)
+
     def _setup_data(self, train_data, eval_data, vocab: int) -> None:
         from ..data import PackedLoader, SFTDataset
 
@@ -261,10 +304,14 @@ class Trainer:
             self.log(f"note: {train_data.num_truncated} documents longer than --max-seq-len "
                      f"{cfg.max_seq_len} were truncated")
         self.train_data, self.eval_data = train_data, eval_data
-        self.loader = PackedLoader(train_data, cfg.batch_size, cfg.max_seq_len, seed=cfg.seed,
-                                   shuffle=True)
-        self.eval_loader = (PackedLoader(eval_data, cfg.batch_size, cfg.max_seq_len,
-                                         seed=cfg.seed, shuffle=False)
+        par = self.parallel
+        # under torchrun: global batches of batch_size rows per process, this process's rows
+        loader = (partial(RankLoader, rank=par.rank, world_size=par.world_size) if par.launched
+                  else PackedLoader)
+        self.loader = loader(train_data, cfg.batch_size, cfg.max_seq_len, seed=cfg.seed,
+                             shuffle=True)
+        self.eval_loader = (loader(eval_data, cfg.batch_size, cfg.max_seq_len, seed=cfg.seed,
+                                   shuffle=False)
                             if eval_data is not None else None)
         per_epoch = max(1, len(self.loader) // cfg.grad_accum)
         self.total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * per_epoch))
@@ -272,6 +319,8 @@ class Trainer:
         self.log(f"data: {n_docs} documents -> {len(self.loader)} packed batches "
                  f"per epoch; {self.total_steps} optimizer steps"
                  + (f"; eval: {len(eval_data)} documents" if eval_data is not None else ""))
+        if par.launched:
+            self.log(par.describe_batch(cfg))
 
     def _setup_optimizer(self) -> None:
         cfg = self.cfg
@@ -332,34 +381,43 @@ class Trainer:
 
     def train_step(self, micro_batches) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Forward/backward over the window, clip, step. Returns (loss sum, grad norm, tokens);
-        the tensors stay on the device (no host sync here). With --router-aux-loss-coef the
-        router's load-balancing loss (its mean over the window: `router_aux_loss`) is added,
-        times the coefficient; the loss returned is the next-token loss alone."""
-        n_target = max(1, sum(b.num_target_tokens for b in micro_batches))
+        the tensors stay on the device (no host sync here). Under torchrun the loss and the
+        tokens are the global window's (dist/data.py), and gradients are reduced over the
+        processes after the window's last micro-batch (dist/parallel.py). With
+        --router-aux-loss-coef the router's load-balancing loss (its mean over the window:
+        `router_aux_loss`) is added, times the coefficient; the loss returned is the next-token
+        loss alone."""
+        n_target, n_real = window_tokens(micro_batches)
+        n_target = max(1, n_target)
+        scale = self.parallel.grad_scale
         loss_total = torch.zeros((), device=self.device, dtype=torch.float32)
         coef, aux_total = self.cfg.router_aux_loss_coef, None
-        for b in micro_batches:
+        for i, b in enumerate(micro_batches):
             b = b.to(self.device)
-            out = self.model(batch=b, loss_only=True)
-            loss = out.loss_sum / n_target
-            if out.aux_loss is not None:
-                aux = out.aux_loss / len(micro_batches)
-                loss = loss + coef * aux
-                aux_total = aux.detach() if aux_total is None else aux_total + aux.detach()
-            (self.scaler.scale(loss) if self.scaler else loss).backward()
+            with self.parallel.micro_batch(self.model, last=i == len(micro_batches) - 1):
+                out = self.forward_model(batch=b, loss_only=True)
+                loss = out.loss_sum / n_target
+                if out.aux_loss is not None:
+                    aux = out.aux_loss / len(micro_batches)
+                    loss = loss + coef * aux
+                    aux_total = aux.detach() if aux_total is None else aux_total + aux.detach()
+                if scale != 1:  # DDP and FSDP2 average over processes: the sum is wanted
+                    loss = loss * scale
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
             loss_total += out.loss_sum.detach()
+        self.parallel.sum_(loss_total)
         self.router_aux_loss = aux_total
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
         if self.scaler:
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss_total / n_target, grad_norm, sum(b.num_real_tokens for b in micro_batches)
+        return loss_total / n_target, grad_norm, n_real
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -370,9 +428,9 @@ class Trainer:
         n = 0
         for batch in self.eval_loader:
             total += self.model(batch=batch.to(self.device), loss_only=True).loss_sum
-            n += batch.num_target_tokens
+            n += window_tokens([batch])[0]  # (under torchrun: the global batch's)
         self.model.train()
-        return (total / max(n, 1)).item()
+        return (self.parallel.sum_(total) / max(n, 1)).item()
 
     def write_samples(self, progress) -> None:
         """--sample-prompts: complete them with the model as it is now (samples.py)."""
@@ -393,7 +451,8 @@ class Trainer:
         if self.step >= self.total_steps:
             return self._already_finished()
         with signals.as_interrupts():
-            self.run_folder.begin(overwrite=self.cfg.overwrite)
+            if self.parallel.writer:
+                self.run_folder.begin(overwrite=self.cfg.overwrite)
             try:
                 return self._train()
             except BaseException:
@@ -402,12 +461,16 @@ class Trainer:
 
     def _train(self) -> TrainResult:
         cfg = self.cfg
-        atomic_write_json(self.output / RUN_CONFIG, self.run_settings())
-        if cfg.resume:  # drop records a crash left after the checkpoint: they are redone
+        writer = self.parallel.writer  # (under torchrun rank 0 alone writes and reports)
+        if writer:
+            atomic_write_json(self.output / RUN_CONFIG, self.run_settings())
+        if cfg.resume and writer:  # drop records a crash left after the checkpoint: redone
             drop_metrics_after(self.output / "metrics.jsonl", self.step)
             drop_metrics_after(self.output / SAMPLES, self.step)
-        metrics = open_reporting(cfg, start_step=self.step)  # metrics.jsonl (+ --report-to)
-        progress = Progress(self.total_steps, initial=self.step, bar=cfg.progress)
+        # metrics.jsonl (+ --report-to)
+        metrics = open_reporting(cfg, start_step=self.step) if writer else NoMetrics()
+        progress = Progress(self.total_steps, initial=self.step, bar=cfg.progress,
+                            quiet=not writer)
         last_loss, eval_loss = None, self.first_eval_loss
         t_start = time.perf_counter()
         tokens_run, start_step = 0, self.step
@@ -489,9 +552,10 @@ class Trainer:
             metrics.close()
         self.save_final()
         elapsed = time.perf_counter() - t_start
-        plot_after_training(self.output, self.log)
-        if cfg.merge_at_end:
-            merge_at_end(cfg, self.log)
+        if writer:
+            plot_after_training(self.output, self.log)
+            if cfg.merge_at_end:
+                merge_at_end(cfg, self.log)
         return TrainResult(self.step, last_loss, self.first_eval_loss, eval_loss, self.output,
                            tokens_run / max(elapsed, 1e-9), steps_run=self.step - start_step,
                            skipped_steps=skipped)
@@ -499,7 +563,9 @@ class Trainer:
     def _stopped(self, interrupt: KeyboardInterrupt, start_step: int, step_start) -> LeantuneError:
         """The one line for a Ctrl-C / SIGTERM: checkpoint what was trained, say how to go on."""
         what = signals.describe(interrupt)
-        if self.step == start_step:  # no step finished: nothing worth a checkpoint
+        # no step finished: nothing worth a checkpoint; under torchrun the other processes may
+        # be anywhere in a step (in a collective, or stopped): none is written from here
+        if self.step == start_step or self.parallel.launched:
             if self.run_folder.pending:
                 note = f"the previous run in {self.output} is put back as it was"
             elif self.saved_step is not None:
@@ -507,7 +573,10 @@ class Trainer:
                         "the same command plus --resume")
             else:
                 note = "nothing was saved; run the command again to start over"
-            err = LeantuneError(f"{what} before the first step finished; {note}")
+            when = ("before the first step finished" if self.step == start_step else
+                    f"at step {self.step} (under torchrun a stop writes no checkpoint; "
+                    "--save-every sets how often one is written)")
+            err = LeantuneError(f"{what} {when}; {note}")
         else:
             if step_start is not None and step_start[0] == self.step:
                 # interrupted mid-step: its batches were drawn and its dropout RNG used, but no
@@ -576,21 +645,28 @@ class Trainer:
                  "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                  **self.run_settings()}
         path = save_checkpoint(self.output, self.step, self.model, self.optimizer, state,
-                               keep=self.cfg.keep_checkpoints)
+                               keep=self.cfg.keep_checkpoints, write=self.parallel.writer)
         self.saved_step = self.step
         self.run_folder.commit()
         return path
 
     def save_final(self) -> None:
-        """LoRA: PEFT adapter files. Full: a HF checkpoint of the trained weights."""
+        """LoRA: PEFT adapter files. Full: a HF checkpoint of the trained weights. (Under
+        torchrun every process takes part, FSDP2 gathering the weights; rank 0 writes.)"""
+        write = self.parallel.writer
         if self.cfg.full:
             from ..export.full import save_full_model
 
-            save_full_model(self.model, self.output, source=getattr(self.model, "source_path", None))
+            save_full_model(self.model, self.output,
+                            source=getattr(self.model, "source_path", None), write=write)
         else:
-            save_adapter(self.model, self.output, base_model_name=self.cfg.model)
-        if self.tokenizer is not None and hasattr(self.tokenizer, "save_pretrained"):
+            save_adapter(self.model, self.output, base_model_name=self.cfg.model, write=write)
+        if write and self.tokenizer is not None and hasattr(self.tokenizer, "save_pretrained"):
             self.tokenizer.save_pretrained(str(self.output))
+
+
+def _quiet(*_args, **_kw) -> None:
+    """The log of a process that prints nothing (under torchrun, all but rank 0)."""
 
 
 def budget_message(cfg: TrainConfig, budget: float, e) -> str:

@@ -215,6 +215,7 @@ class Trainer:
                      f"({autograd_why}): slower and more activation memory (Llama-3.1-8B on an "
                      f"H200: 11.5k tok/s at 19.0 GiB instead of 14.2k at 16.7 GiB); "
                      + ("use --lora-dropout 0 for the fused path" if "dropout" in autograd_why
+                        else "the fused MoE layer is not built yet" if "MoE" in autograd_why
                         else "LoRA on a frozen base takes the fused path"))
         if cuda and autograd_why is None:
             self.engine.pack(m)  # the LoRA columns add ~1% to the packed weights: pack before

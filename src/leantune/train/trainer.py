@@ -506,7 +506,9 @@ class Trainer:
                 record = None
                 if self.step % cfg.log_every == 0 or self.step == self.total_steps:
                     # the one sync per logged step
-                    (last_loss, grad_norm), bad, skipped = self.watch.read(self.step, loss, gnorm)
+                    aux = [] if self.router_aux_loss is None else [self.router_aux_loss]
+                    (last_loss, grad_norm, *aux), bad, skipped = self.watch.read(
+                        self.step, loss, gnorm, *aux)  # (the aux loss in the same copy)
                     dt = time.perf_counter() - t0
                     elapsed = time.perf_counter() - t_start
                     tok_s = tokens_run / max(elapsed, 1e-9)
@@ -518,8 +520,8 @@ class Trainer:
                               "peak_mem_gib": peak_memory_gib(self.device)}
                     if self.scaler is not None:
                         record["skipped_steps"] = skipped
-                    if self.router_aux_loss is not None:
-                        record["router_aux_loss"] = self.router_aux_loss.item()
+                    if aux:
+                        record["router_aux_loss"] = aux[0]
                     if bad:
                         metrics.write(record)
                         raise self._diverged(last_loss, grad_norm)

@@ -32,7 +32,7 @@ layer's plain forward), for layers the fused path cannot take (`fused_unsupporte
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -99,7 +99,12 @@ class Kept:
     @staticmethod
     def bytes_per_token(cfg, keep: Keep, itemsize: int = 2, lora_ranks: int = 0) -> int:
         """Bytes per token the fields above hold at `keep` (lora_ranks: the LoRA columns of the
-        three packed groups together; the attention statistics count at 4 bytes per q head)."""
+        three packed groups together; the attention statistics count at 4 bytes per q head).
+        MoE models: engine/moe_layer.py."""
+        if cfg.moe is not None:
+            from .moe_layer import moe_kept_bytes_per_token
+
+            return moe_kept_bytes_per_token(cfg, keep, itemsize, lora_ranks)
         values = cfg.hidden_size
         extra = 0
         if keep >= Keep.ATTENTION:
@@ -120,7 +125,11 @@ def _autocast_on() -> bool:
 def fused_unsupported(layer) -> str | None:
     """Why `layer` can't take the fused path (None if it can)."""
     if isinstance(layer.mlp, MoEBlock):
-        return "MoE layer (fused MoE executor not built yet)"
+        from .moe_layer import moe_unsupported
+
+        why = moe_unsupported(layer)
+        if why:
+            return why
     if _autocast_on():
         return "torch.autocast"
     for name, p in layer.named_parameters():
@@ -144,10 +153,8 @@ def lora_params(layer) -> list[torch.nn.Parameter]:
 
 
 def lora_ranks(layer) -> int:
-    """LoRA columns of the layer's packed groups (q/k/v, gate/up, down) together (0 for a MoE
-    layer: it runs on the autograd path)."""
-    if isinstance(layer.mlp, MoEBlock):
-        return 0
+    """LoRA columns of the layer's packed groups (q/k/v, gate/up, down; a MoE layer: q/k/v)
+    together."""
     qkv, _, gu, down = layer_groups(layer)
     return sum(m.r for m in (*qkv, *gu, *down) if m.has_lora)
 
@@ -164,6 +171,10 @@ class FusedExecutor:
         self.attention, self.options = attention, options
 
     def __call__(self, layer, x, cos, sin, meta: AttentionMeta) -> torch.Tensor:
+        if isinstance(layer.mlp, MoEBlock):
+            from .moe_layer import MoELayerRun
+
+            return MoELayerRun(self, layer, cos, sin, meta)(x)
         return _LayerRun(self, layer, cos, sin, meta)(x)
 
     # --- what the planner asks ---------------------------------------------------------------
@@ -183,7 +194,14 @@ class FusedExecutor:
                         forward: bool = False) -> int:
         """The MLP row chunk's working bytes: in backward gate | up and the down projection's
         input gradient, in forward gate | up and the down projection's input (chunks
-        mlp_forward_chunk_factor times larger)."""
+        mlp_forward_chunk_factor times larger). A MoE layer's block runs whole: its working set
+        (engine/moe_layer.py), or a dense layer's chunk where larger."""
+        if cfg.moe is not None:
+            from .moe_layer import moe_working_bytes
+
+            dense = FusedExecutor.mlp_chunk_bytes(replace(cfg, moe=None), tokens, options,
+                                                  itemsize, forward) if cfg.moe.dense_layers else 0
+            return max(dense, moe_working_bytes(cfg, tokens, itemsize))
         one = tokens * cfg.intermediate_size * itemsize  # one [tokens, intermediate] tensor
         limit = options.mlp_chunk_bytes * (options.mlp_forward_chunk_factor if forward else 1)
         return 3 * min(one, int(limit))
@@ -197,6 +215,10 @@ class FusedExecutor:
     @staticmethod
     def forward_flops(cfg, tokens: int) -> float:
         """Matmul FLOPs of one layer's forward over `tokens` tokens (projections only)."""
+        if cfg.moe is not None:
+            from .moe_layer import moe_forward_flops
+
+            return moe_forward_flops(cfg, tokens)
         h, i = cfg.hidden_size, cfg.intermediate_size
         return 2.0 * tokens * (h * (2 * cfg.q_size + 2 * cfg.kv_size) + 3 * h * i)
 
@@ -229,6 +251,7 @@ class _LayerRun:
         self.o = ProjectionGroup(o, dtype, w, pack=False)
         self.gu = ProjectionGroup(gu, dtype, w, pack=True)
         self.down = ProjectionGroup(down, dtype, w, pack=True)
+        self.act = self.layer.mlp.act
 
     def _drop_groups(self):
         self.qkv = self.o = self.gu = self.down = None
@@ -294,8 +317,6 @@ class _LayerRun:
         B, T, H = x.shape
         x2 = x.reshape(B * T, H)
         self._groups(x.dtype)
-        self.act = self.layer.mlp.act
-        inter = self.layer.mlp.up_proj.out_features
         keep = self.plan.keep
         X1, _, qkv, qkv4, out4, state = self._attention(x2, x.shape)
         del qkv4  # (with a q/k norm, its normed copies: not kept)
@@ -311,14 +332,33 @@ class _LayerRun:
         del out4
         if not keeps_state:  # q/k/v and attention's output are done with: free them before
             del qkv, attn2, state  # the MLP runs
-        X2, _ = self._normed(self.layer.post_attention_layernorm, h_mid, self.gu)
         # the layer's output is returned as allocated, not as a view: FSDP2 warns about a module
         # returning a view (an in-place op on it would skip its pre-backward hook)
         out3 = x.new_empty(B, T, H)
-        out = out3.view(B * T, H)
-        xa_down = (x2.new_empty(B * T, self.down.R)
+        mlp_kept = self._mlp_forward(h_mid, out3.view(B * T, H), keeps_state)
+        if not self.in_graph:
+            self._drop_groups()
+            return out3
+        kept = Kept(x=x2, **mlp_kept)
+        if keep >= Keep.ATTENTION:
+            kept.h_mid, kept.qkv, kept.attn, kept.attn_state = h_mid, qkv, attn2, state
+            kept.xa_qkv = xa_qkv
+        del xa_qkv, mlp_kept
+        self.handle = self.ex.store.put(kept, self.plan.offload)
+        self.shape = x.shape
+        return out3
+
+    def _mlp_forward(self, h_mid: torch.Tensor, out: torch.Tensor, keeps_state: bool) -> dict:
+        """out [N, H] <- h_mid + down(act(gate(xn2)) * up(xn2)), xn2 = norm2(h_mid), over row
+        chunks. Returns the `Kept` fields of the MLP the plan keeps (x A^T of gate/up and down
+        from ATTENTION on, gate | up at ALL)."""
+        N = h_mid.shape[0]
+        inter = self.layer.mlp.up_proj.out_features
+        keep = self.plan.keep
+        X2, _ = self._normed(self.layer.post_attention_layernorm, h_mid, self.gu)
+        xa_down = (h_mid.new_empty(N, self.down.R)
                    if keeps_state and self.down.has_lora_cols else None)
-        for rows in self._chunks(B * T, keep >= Keep.ALL, x.element_size(), forward=True):
+        for rows in self._chunks(N, keep >= Keep.ALL, h_mid.element_size(), forward=True):
             gu = self.gu.project(X2[rows])  # [n, 2 I]: gate | up
             Hb = self.down.new_input(gu.shape[0], gu)
             glu_fwd(gu[:, :inter], gu[:, inter:], self.act, out=Hb[:, :inter])
@@ -328,20 +368,15 @@ class _LayerRun:
             self.down.project(Hb, resid=h_mid[rows], out=out[rows])
             del Hb
         if not self.in_graph:
-            self._drop_groups()
-            return out3
-        kept = Kept(x=x2)
-        if keep >= Keep.ATTENTION:
+            return {}
+        kept = {}
+        if keeps_state:
             xa_gu = self.gu.lora_cols(X2)
-            kept.h_mid, kept.qkv, kept.attn, kept.attn_state = h_mid, qkv, attn2, state
-            kept.xa_qkv, kept.xa_down = xa_qkv, xa_down
-            kept.xa_gu = None if xa_gu is None else xa_gu.contiguous()  # not a view: X2 is freed
-        del xa_qkv, X2
+            # not a view: X2 is freed
+            kept.update(xa_down=xa_down, xa_gu=None if xa_gu is None else xa_gu.contiguous())
         if keep >= Keep.ALL:
-            kept.gu = gu
-        self.handle = self.ex.store.put(kept, self.plan.offload)
-        self.shape = x.shape
-        return out3
+            kept["gu"] = gu
+        return kept
 
     # --- backward ----------------------------------------------------------------------------
     def backward(self, dout: torch.Tensor, need_dx: bool = True
@@ -355,7 +390,6 @@ class _LayerRun:
         dout = dout.reshape(N, H)
         x2 = kept.x
         keep = self.plan.keep
-        inter = self.layer.mlp.up_proj.out_features
         at = self.layer.self_attn
         # Kept tensors leave `kept` (the store's object) as they are taken, so each is freed as
         # soon as this backward is done with it (gate/up after the MLP, h_mid after its norm),
@@ -370,28 +404,8 @@ class _LayerRun:
             q4, k4, v4 = self._rotated(qkv, self.shape, in_place=False)
             out4 = kept.attn.view(q4.shape)
             kept.attn = None
-        kept_gu, kept.gu = kept.gu, None
-
-        # MLP: out = h_mid + down(act(gate(xn2)) * up(xn2))
-        X2, rstd2 = self._normed(self.layer.post_attention_layernorm, h_mid, self.gu, kept.xa_gu)
-        xa_down, kept.xa_gu, kept.xa_down = kept.xa_down, None, None
-        # d norm2(h_mid), in a buffer as wide as the gate/up group's input-gradient GEMM writes
-        dxn2 = h_mid.new_empty(N, self.gu.grad_width())
-        for rows in self._chunks(N, keep >= Keep.ALL, dout.element_size()):
-            gu = kept_gu if keep >= Keep.ALL else self.gu.project(X2[rows])
-            kept_gu = None
-            da, ga = self.down.input_grad(dout[rows])
-            # gate, up <- d gate, d up in place; da <- act(gate) * up, the down projection's input
-            glu_bwd_(da, gu[:, :inter], gu[:, inter:], self.act, h_out=da)
-            self.down.lora_grads(da, dout[rows], ga, grads,
-                                 None if xa_down is None else xa_down[rows])
-            del da, ga
-            self.gu.backward(X2[rows], gu, grads, out=dxn2[rows])
-            del gu
-        dxn2 = dxn2[:, :H]
-        post = self.layer.post_attention_layernorm
-        dh_mid = rms_norm_bwd(dxn2, h_mid, post.weight, rstd2, post.offset, residual=dout)
-        del dxn2, X2, h_mid
+        dh_mid = self._mlp_backward(h_mid, dout, kept, grads)
+        del h_mid
 
         # attention: h_mid = x + o(attn(rope(qk_norm(q, k)), v))
         dattn = self.o.backward(out4.reshape(N, -1), [dh_mid], grads)
@@ -424,6 +438,34 @@ class _LayerRun:
         self.handle = None
         self._drop_groups()
         return dx, grads
+
+    def _mlp_backward(self, h_mid: torch.Tensor, dout: torch.Tensor, kept: Kept,
+                      grads: dict) -> torch.Tensor:
+        """The MLP's backward: dout [N, H] (the layer output's gradient) -> d h_mid [N, H]
+        (through the MLP and its residual), LoRA gradients into `grads`. Takes the MLP's fields
+        out of `kept` as it uses them."""
+        N, H = dout.shape
+        inter = self.layer.mlp.up_proj.out_features
+        keep = self.plan.keep
+        kept_gu, kept.gu = kept.gu, None
+        X2, rstd2 = self._normed(self.layer.post_attention_layernorm, h_mid, self.gu, kept.xa_gu)
+        xa_down, kept.xa_gu, kept.xa_down = kept.xa_down, None, None
+        # d norm2(h_mid), in a buffer as wide as the gate/up group's input-gradient GEMM writes
+        dxn2 = h_mid.new_empty(N, self.gu.grad_width())
+        for rows in self._chunks(N, keep >= Keep.ALL, dout.element_size()):
+            gu = kept_gu if keep >= Keep.ALL else self.gu.project(X2[rows])
+            kept_gu = None
+            da, ga = self.down.input_grad(dout[rows])
+            # gate, up <- d gate, d up in place; da <- act(gate) * up, the down projection's input
+            glu_bwd_(da, gu[:, :inter], gu[:, inter:], self.act, h_out=da)
+            self.down.lora_grads(da, dout[rows], ga, grads,
+                                 None if xa_down is None else xa_down[rows])
+            del da, ga
+            self.gu.backward(X2[rows], gu, grads, out=dxn2[rows])
+            del gu
+        dxn2 = dxn2[:, :H]
+        post = self.layer.post_attention_layernorm
+        return rms_norm_bwd(dxn2, h_mid, post.weight, rstd2, post.offset, residual=dout)
 
 
 class _FusedLayerFunction(torch.autograd.Function):

@@ -58,9 +58,10 @@ FWD_FLOPS_PER_S = 650e12
 # --compile) keeps what autograd saves: ~ACT_FACTOR * (8 hidden + 3 intermediate + 3 kv) values
 # per token per layer (measured on an H200 for Llama-3.2-1B / 3.1-8B shapes), plus a working set
 # of a fixed part and 2.5 layers' activations; layers it does not keep are recomputed from their
-# input (torch.utils.checkpoint). For MoE models (on this path until a fused MoE executor
-# exists; not measured yet) the intermediate width is the top-k experts' together
-# (ModelConfig.mlp_width) and each token's k routed copies of its input and output add 2 k hidden.
+# input (torch.utils.checkpoint). For MoE layers on this path (LoRA on the experts, the router's
+# loss, attention sinks: engine/moe_layer.moe_unsupported; not measured yet) the intermediate
+# width is the top-k experts' together (ModelConfig.mlp_width) and each token's k routed copies
+# of its input and output add 2 k hidden.
 ACT_FACTOR = 0.8
 AUTOGRAD_HEADROOM_GIB = 1.5
 AUTOGRAD_HEADROOM_LAYERS = 2.5

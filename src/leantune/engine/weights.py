@@ -222,8 +222,11 @@ class DenseWeights:
 
 
 def layer_groups(layer) -> tuple[list, list, list, list]:
-    """A decoder layer's projections by shared input: q/k/v, o, gate/up, down."""
+    """A decoder layer's projections by shared input: q/k/v, o, gate/up, down (a MoE layer's
+    experts are not projections: its gate/up and down groups are empty)."""
     a, m = layer.self_attn, layer.mlp
+    if not hasattr(m, "gate_proj"):
+        return [a.q_proj, a.k_proj, a.v_proj], [a.o_proj], [], []
     return ([a.q_proj, a.k_proj, a.v_proj], [a.o_proj], [m.gate_proj, m.up_proj], [m.down_proj])
 
 
@@ -233,6 +236,8 @@ def pack_layer(layer, weights: DenseWeights) -> None:
     training step never allocates them and memory is measured with them."""
     qkv, o, gu, down = layer_groups(layer)
     for mods in (qkv, o, gu, down):
+        if not mods:
+            continue
         if any(m.nf4 is not None for m in mods):
             pack = mods is not o and weights.packable(mods)  # (o runs unpacked)
             shapes = ([weights.layout(mods)[0]] if pack

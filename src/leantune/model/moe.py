@@ -189,10 +189,14 @@ class Experts(nn.Module):
             self.lora_B[name] = nn.Parameter(b)
         self.r, self.scaling = r, lora_scaling(r, alpha, use_rslora)
 
-    def _project(self, name: str, x: torch.Tensor, g: Grouping) -> torch.Tensor:
-        """Projection `name` of the grouped rows x [M, in] -> [M, out]: base + bias + LoRA."""
+    def weight_in_out(self, name: str) -> torch.Tensor:
+        """The stacked base weight of projection `name` as [E, in, out] (a view)."""
         w = getattr(self, name)
-        y = grouped_matmul(x, w if self.transposed else w.transpose(1, 2), g)
+        return w if self.transposed else w.transpose(1, 2)
+
+    def project(self, name: str, x: torch.Tensor, g: Grouping) -> torch.Tensor:
+        """Projection `name` of the grouped rows x [M, in] -> [M, out]: base + bias + LoRA."""
+        y = grouped_matmul(x, self.weight_in_out(name), g)
         bias = getattr(self, name + "_bias")
         if bias is not None:
             y = y + bias.index_select(0, g.experts)
@@ -202,15 +206,17 @@ class Experts(nn.Module):
             y = y + grouped_matmul(grouped_matmul(x, a, g), b, g) * self.scaling
         return y
 
+    def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The gated activation: gate_up [M, 2I] -> [M, I] (gpt-oss: its clamped SwiGLU over
+        interleaved columns; else act(gate) * up over the [gate | up] halves)."""
+        if self.spec.swiglu_limit is not None:
+            return gpt_oss_swiglu(gate_up, self.spec.swiglu_alpha, self.spec.swiglu_limit)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return kernels.glu(gate, up, self.act)
+
     def forward(self, xs: torch.Tensor, g: Grouping) -> torch.Tensor:
         """xs [M, H] (rows in expert order) -> each row's expert output [M, H]."""
-        gate_up = self._project("gate_up_proj", xs, g)
-        if self.spec.swiglu_limit is not None:
-            h = gpt_oss_swiglu(gate_up, self.spec.swiglu_alpha, self.spec.swiglu_limit)
-        else:
-            gate, up = gate_up.chunk(2, dim=-1)
-            h = kernels.glu(gate, up, self.act)
-        return self._project("down_proj", h, g)
+        return self.project("down_proj", self.activate(self.project("gate_up_proj", xs, g)), g)
 
 
 class MoEBlock(nn.Module):
@@ -252,9 +258,13 @@ class MoEBlock(nn.Module):
                 self.router_stats.append(stats)
         g = Grouping.build(idx, self.spec.num_experts, self.grouped_mm)
         ys = self.experts(x.index_select(0, g.tokens), g)
+        return self.combine(ys, weights, g).view(shape)
+
+    def combine(self, ys: torch.Tensor, weights: torch.Tensor, g: Grouping) -> torch.Tensor:
+        """The expert outputs ys [M, H] (expert order) weighted by their routing weights
+        [N, k] and summed per token, in token order -> [N, H]."""
         ys = ys * weights.reshape(-1).index_select(0, g.order).to(ys.dtype)[:, None]
-        k = self.spec.top_k
-        return ys.index_select(0, g.inverse).view(-1, k, shape[-1]).sum(1).view(shape)
+        return ys.index_select(0, g.inverse).view(-1, self.spec.top_k, ys.shape[-1]).sum(1)
 
 
 def router_stats(logits: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -214,9 +214,7 @@ class Trainer:
             self.log(f"note: the layers run under autograd, not leantune's fused layers "
                      f"({autograd_why}): slower and more activation memory (Llama-3.1-8B on an "
                      f"H200: 11.5k tok/s at 19.0 GiB instead of 14.2k at 16.7 GiB); "
-                     + ("use --lora-dropout 0 for the fused path" if "dropout" in autograd_why
-                        else "the fused MoE layer is not built yet" if "MoE" in autograd_why
-                        else "LoRA on a frozen base takes the fused path"))
+                     + _fused_path_hint(autograd_why))
         if cuda and autograd_why is None:
             self.engine.pack(m)  # the LoRA columns add ~1% to the packed weights: pack before
             # memory is measured
@@ -761,3 +759,16 @@ def load_tokenizer(model: str | None):
         raise LeantuneError(f"{folder}: the tokenizer defines no eos_token; set eos_token in "
                             "tokenizer_config.json")
     return tok
+
+
+def _fused_path_hint(why: str) -> str:
+    """What to do about `why` (fused_unsupported's reason) to take the fused layers."""
+    if "dropout" in why:
+        return "use --lora-dropout 0 for the fused path"
+    if "experts" in why:
+        return "--lora-targets without experts takes the fused path"
+    if "load-balancing" in why:
+        return "--router-aux-loss-coef 0 takes the fused path"
+    if "sinks" in why or "jitter" in why:
+        return "the fused layer does not cover this model yet"
+    return "LoRA on a frozen base takes the fused path"

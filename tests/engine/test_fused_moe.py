@@ -1,0 +1,92 @@
+"""The fused MoE layer (engine/moe_layer.py) against autograd over the plain MoE block (fp32,
+CPU): loss and LoRA gradients at every keep level, offloaded, with dense layers between sparse
+ones, renormalised and plain top-k, and what makes a MoE layer fall back."""
+
+import pytest
+import torch
+
+from helpers import BASE, check, model_for
+from leantune import kernels
+from leantune.engine import Engine, Keep, LayerPlan, fused_unsupported
+from leantune.engine.executor import FusedExecutor, Kept
+from leantune.model.config import ModelConfig
+
+MOE = dict(BASE, num_experts=5, num_experts_per_tok=2, moe_intermediate_size=24)
+CONFIGS = {
+    # layer 1 dense (mlp_only_layers), top-2 of 5 not renormalised
+    "qwen3_moe": dict(MOE, model_type="qwen3_moe", mlp_only_layers=[1], norm_topk_prob=False),
+    "qwen3_moe_norm": dict(MOE, model_type="qwen3_moe", norm_topk_prob=True),
+    "mixtral": dict(BASE, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2,
+                    intermediate_size=24, sliding_window=6),
+}
+PLANS = [
+    [LayerPlan(0), LayerPlan(1), LayerPlan(2)],
+    [LayerPlan(2, offload=True), LayerPlan(0, offload=True), LayerPlan(1, offload=True)],
+]
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+@pytest.mark.parametrize("plans", PLANS)
+def test_fused_moe_layer_equals_autograd(family, plans):
+    model = model_for(CONFIGS[family], targets=["q_proj", "k_proj", "v_proj", "o_proj"])
+    assert any(layer.mlp.__class__.__name__ == "MoEBlock" for layer in model.layers)
+    engine = check(model, plans)
+    assert all(isinstance(layer.executor, FusedExecutor) for layer in model.layers)
+    assert engine.store is not None
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_fused_moe_kernels(backend):
+    model = model_for(CONFIGS["qwen3_moe_norm"], targets=["q_proj", "v_proj"])
+    with kernels.backend(backend):
+        check(model, [LayerPlan(2), LayerPlan(1, offload=True), LayerPlan(0)])
+
+
+def test_attention_lora_only_and_frozen_lower_layer():
+    """LoRA on attention only (the MoE benchmark's setup); the first layer frozen."""
+    model = model_for(CONFIGS["mixtral"], targets=["q_proj", "k_proj", "v_proj", "o_proj"])
+    for p in model.model.layers[0].parameters():
+        p.requires_grad_(False)
+    check(model, [LayerPlan(1), LayerPlan(2), LayerPlan(0)])
+
+
+def test_what_falls_back():
+    model = model_for(CONFIGS["qwen3_moe_norm"], targets=["q_proj", "experts"])
+    assert "LoRA on the experts" in fused_unsupported(model.layers[0])
+    model = model_for(CONFIGS["qwen3_moe_norm"], targets=["q_proj"])
+    model.layers[0].mlp.record_router_stats = True
+    assert "load-balancing" in fused_unsupported(model.layers[0])
+    assert fused_unsupported(model.layers[1]) is None
+    # the engine gives a layer the fused path wants autograd's checkpoint instead
+    engine = Engine()
+    assert engine.executor(model.layers[0], LayerPlan(0)).kind == "checkpoint"
+    assert engine.executor(model.layers[1], LayerPlan(0)).kind == "fused"
+
+
+@pytest.mark.parametrize("keep", [Keep.INPUT, Keep.ATTENTION, Keep.ALL])
+def test_declared_bytes_are_what_the_store_holds(keep, monkeypatch):
+    """The planner's bytes per token for a MoE layer equal what its forward puts in the store."""
+    cfg = CONFIGS["qwen3_moe_norm"]
+    model = model_for(cfg, targets=["q_proj", "k_proj", "v_proj", "o_proj"])
+    from helpers import packed_batch
+    from leantune.engine import activation_store
+
+    held = []
+    real_put = activation_store.ActivationStore.put
+
+    def put(self, kept: Kept, offload):
+        held.append(sum(t.numel() * t.element_size() for t in vars(kept).values()
+                        if isinstance(t, torch.Tensor)))
+        return real_put(self, kept, offload)
+
+    monkeypatch.setattr(activation_store.ActivationStore, "put", put)
+    Engine().attach(model, [LayerPlan(keep)] * 3)
+    batch = packed_batch()
+    model.loss_sum(batch).backward()
+    tokens = batch.input_ids.numel()
+    mcfg = ModelConfig.from_dict(cfg)
+    from leantune.engine import lora_ranks
+    want = FusedExecutor.kept_bytes(mcfg, tokens, keep, 4, lora_ranks(model.layers[0]))
+    # the attention statistics exist on the flash/cuDNN paths only (None on the CPU)
+    stats = 4 * mcfg.num_attention_heads * tokens if keep >= Keep.ATTENTION else 0
+    assert held == [want - stats] * 3

@@ -50,9 +50,33 @@ def test_attention_lora_only_and_frozen_lower_layer():
     check(model, [LayerPlan(1), LayerPlan(2), LayerPlan(0)])
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe_norm", "mixtral"])
+def test_lora_on_experts(family):
+    """Expert LoRA (random B, so every gradient carries signal) on the fused MoE layer."""
+    model = model_for(CONFIGS[family], targets=["q_proj", "v_proj", "experts"])
+    experts = model.layers[0].mlp.experts
+    assert experts.has_lora and experts.lora_B["down_proj"].abs().max() > 0
+    check(model, [LayerPlan(0), LayerPlan(2, offload=True), LayerPlan(1)])
+
+
+def test_grouped_outer_equals_per_expert_products():
+    from leantune.engine.moe_layer import grouped_outer
+    from leantune.model.moe import Grouping
+
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 5, (9, 2), generator=g)
+    idx[:, 1] = (idx[:, 0] + 1) % 5
+    idx[idx == 3] = 4  # expert 3 gets no rows
+    grouping = Grouping.build(idx, 6)
+    u, v = torch.randn(18, 3, generator=g), torch.randn(18, 7, generator=g)
+    out = grouped_outer(u, v, grouping)
+    for e in range(6):
+        rows = grouping.experts == e
+        torch.testing.assert_close(out[e], u[rows].t() @ v[rows])
+    assert out[3].abs().max() == 0 and out[5].abs().max() == 0
+
+
 def test_what_falls_back():
-    model = model_for(CONFIGS["qwen3_moe_norm"], targets=["q_proj", "experts"])
-    assert "LoRA on the experts" in fused_unsupported(model.layers[0])
     model = model_for(CONFIGS["qwen3_moe_norm"], targets=["q_proj"])
     model.layers[0].mlp.record_router_stats = True
     assert "load-balancing" in fused_unsupported(model.layers[0])

@@ -149,6 +149,10 @@ def lora_params(layer) -> list[torch.nn.Parameter]:
         for proj in mods:
             if proj.has_lora:
                 out += [proj.lora_A.weight, proj.lora_B.weight]
+    experts = getattr(layer.mlp, "experts", None)  # a MoE layer's expert LoRA
+    if experts is not None and experts.has_lora:
+        for name in experts.PROJECTIONS:
+            out += [experts.lora_A[name], experts.lora_B[name]]
     return [p for p in out if p.requires_grad]
 
 

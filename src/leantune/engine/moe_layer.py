@@ -24,8 +24,14 @@ What the layer keeps (`moe_kept_bytes`): its input (INPUT); h_mid, q/k/v, attent
 statistics as dense layers (ATTENTION); and gate | up of the routed rows, [M, 2I] (ALL). The
 router's choice is made again in backward from the same inputs, so it is the forward's.
 
-Off the fused MoE path (the layer falls back to autograd, `moe_unsupported` says why): LoRA on
-the experts, the router's load-balancing loss, router jitter noise, attention sinks.
+LoRA on the experts (A [E, r, in], B [E, out, r] per projection, scale s) adds s (x A_e^T) B_e^T
+to each projection: forward through Experts.project; backward adds s (dy B_e) A_e to the input
+gradient and takes dB_e = s dy_e^T (x A_e^T)_e, dA_e = s (dy B_e)_e^T x_e per expert group
+(`grouped_outer`: one 2-D grouped GEMM on CUDA) with the down projection's dy weighted by
+the routing weights (its unweighted G still carries the LoRA term, for d weights).
+
+Off the fused MoE path (the layer falls back to autograd, `moe_unsupported` says why): the
+router's load-balancing loss, router jitter noise, attention sinks.
 """
 
 from __future__ import annotations
@@ -34,17 +40,18 @@ import torch
 
 from ..kernels.rmsnorm import rms_norm_bwd, rms_norm_fwd
 from ..kernels.swiglu import glu_bwd_
-from ..model.moe import Grouping, MoEBlock, grouped_matmul
+from ..model.moe import _GROUPED_MM, Grouping, grouped_matmul
 from .executor import Kept, Keep, _LayerRun
 from .projections import ProjectionGroup
 from .weights import layer_groups
+
+# whether this build's grouped GEMM takes out_dtype (F.grouped_mm does; torch._grouped_mm no)
+_OUT_DTYPE = _GROUPED_MM is not None and _GROUPED_MM.__name__ == "grouped_mm"
 
 
 def moe_unsupported(layer) -> str | None:
     """Why the fused MoE layer can't run `layer` (None if it can)."""
     moe = layer.mlp
-    if moe.experts.has_lora:
-        return "LoRA on the experts (the fused MoE layer runs frozen experts)"
     if moe.record_router_stats:
         return "the router's load-balancing loss (--router-aux-loss-coef)"
     if moe.spec.jitter_noise > 0:
@@ -96,6 +103,12 @@ class MoELayerRun(_LayerRun):
         self.o = ProjectionGroup(o, dtype, w, pack=False)
         self.gu = self.down = None
 
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.layer.mlp.record_router_stats:  # (moe_unsupported keeps such layers away)
+            raise RuntimeError("the fused MoE layer computes no load-balancing loss: attach the "
+                               "executors after setting CausalLM.router_aux_loss")
+        return super().__call__(x)
+
     def _route(self, xn: torch.Tensor):
         """xn [N, H] -> (routing weights [N, k] fp32, Grouping)."""
         moe = self.layer.mlp
@@ -121,23 +134,30 @@ class MoELayerRun(_LayerRun):
         with torch.enable_grad():  # the router under autograd: its gradient reaches xn
             xn_leaf = xn.detach().requires_grad_()
             weights, g = self._route(xn_leaf)
+        lora = experts.has_lora
         gu, kept.gu = kept.gu, None
+        xs = xn.index_select(0, g.tokens) if gu is None or lora else None  # [M, H]
         if gu is None:
-            gu = experts.project("gate_up_proj", xn.index_select(0, g.tokens), g)
+            gu = experts.project("gate_up_proj", xs, g)
         del xn
+        w = weights.detach().reshape(-1).index_select(0, g.order)  # [M] fp32, expert order
         dy = dout.index_select(0, g.tokens)  # [M, H]: each routed row's output gradient
-        G = grouped_matmul(dy, experts.weight_in_out("down_proj").transpose(1, 2), g)  # [M, I]
+        G = self._input_grad("down_proj", dy, g)  # [M, I], unweighted (LoRA's term included)
         act, dgu = self._activation_backward(G, gu)  # act(gu) [M, I]; d gu for G, [M, 2I]
         del gu
         d_w = (G.float() * act.float()).sum(-1)  # [M]: d of each row's routing weight
         bias = experts.down_proj_bias
         if bias is not None:
             d_w += (dy.float() * bias.index_select(0, g.experts).float()).sum(-1)
-        del G, act, dy
-        w = weights.detach().reshape(-1).index_select(0, g.order)
+        del G
+        if lora:
+            self._lora_grads("down_proj", act, dy.mul_(w.to(dy.dtype)[:, None]), g, grads)
+        del act, dy
         dgu.mul_(w.to(dgu.dtype)[:, None])
-        dxs = grouped_matmul(dgu, experts.weight_in_out("gate_up_proj").transpose(1, 2), g)
-        del dgu
+        dxs = self._input_grad("gate_up_proj", dgu, g)  # [M, H]
+        if lora:
+            self._lora_grads("gate_up_proj", xs, dgu, g, grads)
+        del dgu, xs
         dxn = dxs.index_select(0, g.inverse).view(N, k, H).sum(1)
         del dxs
         (d_router,) = torch.autograd.grad(weights, xn_leaf,
@@ -145,6 +165,31 @@ class MoELayerRun(_LayerRun):
         dxn += d_router
         del d_router
         return rms_norm_bwd(dxn, h_mid, post.weight, rstd, post.offset, residual=dout)
+
+    def _input_grad(self, name: str, dy: torch.Tensor, g: Grouping) -> torch.Tensor:
+        """d input [M, in] of expert projection `name` for dy [M, out]: dy W_e (+ s (dy B_e) A_e
+        with LoRA)."""
+        experts = self.layer.mlp.experts
+        dx = grouped_matmul(dy, experts.weight_in_out(name).transpose(1, 2), g)
+        if name in experts.lora_A:
+            t = grouped_matmul(dy, experts.lora_B[name].to(dy.dtype), g)  # [M, r]
+            dx.add_(grouped_matmul(t, experts.lora_A[name].to(dy.dtype), g),
+                    alpha=experts.scaling)
+        return dx
+
+    def _lora_grads(self, name: str, x: torch.Tensor, dy: torch.Tensor, g: Grouping,
+                    grads: dict) -> None:
+        """dA [E, r, in], dB [E, out, r] of projection `name`'s expert LoRA from its input x
+        [M, in] and output gradient dy [M, out] (weighted), into `grads`."""
+        experts = self.layer.mlp.experts
+        A, B = experts.lora_A[name], experts.lora_B[name]
+        s = experts.scaling
+        xa = grouped_matmul(x, A.to(x.dtype).transpose(1, 2), g)  # [M, r]
+        t = grouped_matmul(dy, B.to(dy.dtype), g)  # [M, r]
+        if B.requires_grad:
+            grads[B] = grouped_outer(dy, xa, g).mul_(s).to(B.dtype)
+        if A.requires_grad:
+            grads[A] = grouped_outer(t, x, g).mul_(s).to(A.dtype)
 
     def _activation_backward(self, G: torch.Tensor, gu: torch.Tensor):
         """(act(gu) [M, I], d gu [M, 2I]) for the upstream gradient G [M, I] of act(gu). The
@@ -162,5 +207,21 @@ class MoELayerRun(_LayerRun):
         return act.detach(), dgu
 
 
-def is_moe(layer) -> bool:
-    return isinstance(layer.mlp, MoEBlock)
+def grouped_outer(u: torch.Tensor, v: torch.Tensor, g: Grouping) -> torch.Tensor:
+    """Per expert group e, u_e^T v_e: u [M, p], v [M, q] (rows in expert order) -> [E, p, q]
+    fp32, zeros for an empty group (the weight gradient of a grouped matmul). One 2-D grouped
+    GEMM on CUDA in bf16; a loop over the groups elsewhere."""
+    E = g.counts.shape[0]
+    if (_GROUPED_MM is not None and u.is_cuda and u.dtype == v.dtype == torch.bfloat16
+            and u.shape[1] % 8 == 0 and v.shape[1] % 8 == 0):  # 16-byte rows
+        ut = u.t().contiguous()  # [p, M]: the groups split its columns
+        if _OUT_DTYPE:
+            return _GROUPED_MM(ut, v, offs=g.ends, out_dtype=torch.float32)
+        return _GROUPED_MM(ut, v, offs=g.ends).float()
+    out = u.new_zeros(E, u.shape[1], v.shape[1], dtype=torch.float32)
+    start = 0
+    for e, n in enumerate(g.host_counts):
+        if n:
+            out[e] = u[start:start + n].t().float() @ v[start:start + n].float()
+            start += n
+    return out

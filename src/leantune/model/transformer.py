@@ -62,10 +62,22 @@ class CausalLM(nn.Module):
         # bytes of logits the fused cross-entropy computes at a time (None: its default); the
         # trainer lowers it where memory is short
         self.loss_chunk_bytes: int | None = None
-        # MoE: forward also returns the router's load-balancing loss as `aux_loss`, over all
-        # tokens of the batch (padding included, as transformers without an attention mask)
-        self.router_aux_loss = False
+        self._router_aux_loss = False
         self._rope_cache: dict = {}
+
+    @property
+    def router_aux_loss(self) -> bool:
+        """MoE: forward also returns the router's load-balancing loss as `aux_loss`, over all
+        tokens of the batch (padding included, as transformers without an attention mask).
+        Setting it marks the MoE blocks at once, so executors chosen afterwards see it."""
+        return self._router_aux_loss
+
+    @router_aux_loss.setter
+    def router_aux_loss(self, on: bool) -> None:
+        self._router_aux_loss = bool(on)
+        for layer in self.layers:
+            if isinstance(layer.mlp, MoEBlock):
+                layer.mlp.record_router_stats = self._router_aux_loss
 
     # --- structure -------------------------------------------------------------------------
     @property

@@ -765,8 +765,6 @@ def _fused_path_hint(why: str) -> str:
     """What to do about `why` (fused_unsupported's reason) to take the fused layers."""
     if "dropout" in why:
         return "use --lora-dropout 0 for the fused path"
-    if "experts" in why:
-        return "--lora-targets without experts takes the fused path"
     if "load-balancing" in why:
         return "--router-aux-loss-coef 0 takes the fused path"
     if "sinks" in why or "jitter" in why:

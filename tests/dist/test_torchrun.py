@@ -110,6 +110,16 @@ def test_same_losses_and_adapter_as_one_process(run, name, flags, line):
     assert_same_run(out, ref)
 
 
+def test_one_process_under_torchrun_is_the_plain_run(run):
+    """World size 1: no DDP wrap, and the plain run's losses, adapter and files."""
+    ref, ref_stdout = run("one", None)
+    out, stdout = run("torchrun-1", 1, "--batch-size", PROCS * B)
+    assert "parallel: world size 1: no DDP wrap (nothing to all-reduce)" in stdout
+    assert_same_run(out, ref)
+    files = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    assert files == sorted(str(p.relative_to(ref)) for p in ref.rglob("*"))
+
+
 def test_full_fine_tuning_under_fsdp2(run):
     """--full: every weight sharded and trained, the final model gathered and written whole."""
     ref, _ = run("full-one", None, "--full", "--max-steps", "2")

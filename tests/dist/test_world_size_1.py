@@ -71,9 +71,9 @@ def test_world_size_1_runs_unwrapped_with_the_plain_losses(one_process_env, tiny
     ("fsdp", "parallel: world size 1: no FSDP2 sharding (one process holds every weight "
              "anyway; sharding over one rank only costs)"),
     ("ddp", UNWRAPPED)])
-def test_explicit_choice_at_world_size_1_runs_unwrapped_too(one_process_env, tiny_ckpt,  # noqa: F811
-                                                            alpaca_file, tmp_path,  # noqa: F811
-                                                            parallel, line):
+def test_explicit_parallel_at_world_size_1_unwrapped_too(one_process_env, tiny_ckpt,  # noqa: F811
+                                                         alpaca_file, tmp_path,  # noqa: F811
+                                                         parallel, line):
     one_process_env()
     lines = []
     trainer = Trainer(train_cfg(tiny_ckpt, alpaca_file, tmp_path, parallel=parallel),

@@ -5,11 +5,10 @@ Each test runs the Trainer in this process with torchrun's variables for one pro
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
-from helpers import alpaca_file, read_metrics, tiny_ckpt, train_cfg  # noqa: F401  (fixtures)
+from helpers import (alpaca_file, free_port, read_metrics, tiny_ckpt,  # noqa: F401
+                     train_cfg)
 from torch.nn.parallel import DistributedDataParallel
 
 from leantune.dist import setup
@@ -25,11 +24,8 @@ def one_process_env(monkeypatch):
     free port); the process group is ended after the test."""
 
     def launch():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())).items():
             monkeypatch.setenv(key, value)
 
     monkeypatch.delenv(WRAP_AT_WORLD_SIZE_1, raising=False)

@@ -6,12 +6,15 @@ Run it under torchrun with one process:
     torchrun --nproc_per_node 1 bench/dist_speed.py --shape tiny --device cpu --rows 2 \
         --seq 64 --warmup 1 --steps 2                                  (a dry run: gloo)
 
-In one process it times leantune's Trainer step first as a plain process builds it (torchrun's
-variables hidden: no process group, no wrapper), then as a torchrun process does (the process
-group, and DDP over the LoRA parameters, or FSDP2 with --parallel fsdp), on bench/speed.py's
-workload: a random-init model of the shape, LoRA r=16 alpha=16 on every projection, `--rows`
-rows of `--seq` random ids, median of `--steps` steps after `--warmup`. Prints tok/s and the
-peak memory of both and their ratio, and appends them to $OUT/results.jsonl.
+In one process it times leantune's Trainer step three ways: as a plain process builds it
+(torchrun's variables hidden: no process group), as a torchrun process does (the process group;
+at world size 1 the model runs unwrapped), and as a torchrun process with the wrapper forced
+(LEANTUNE_WRAP_AT_WORLD_SIZE_1=1: DDP over the LoRA parameters, or FSDP2 with --parallel fsdp,
+with the memory the planner keeps back for it), on bench/speed.py's workload: a random-init
+model of the shape, LoRA r=16 alpha=16 on every projection, `--rows` rows of `--seq` random ids,
+median of `--steps` steps after `--warmup`. Prints a table (what each row ran: no process group,
+unwrapped, DDP or FSDP2; its activation plan, tok/s, peak memory, ratio to plain) and appends
+the rows to $OUT/results.jsonl.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from harness import hf_config, leantune_model, median, record  # noqa: E402
 from speed import random_batch  # noqa: E402
 
+from leantune.dist.parallel import NAMES, WRAP_AT_WORLD_SIZE_1  # noqa: E402
 from leantune.dist.setup import shutdown  # noqa: E402
 from leantune.model.config import ModelConfig  # noqa: E402
 from leantune.train.config import TrainConfig  # noqa: E402
@@ -39,13 +43,24 @@ LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
 @contextlib.contextmanager
-def without_launcher():
-    """torchrun's variables hidden, so a Trainer built inside is a plain process's."""
-    saved = {k: os.environ.pop(k) for k in LAUNCHER_VARS if k in os.environ}
+def environment(hide=(), **extra):
+    """`hide` removed from the environment and `extra` set, for a Trainer built inside (hiding
+    torchrun's variables makes it a plain process's)."""
+    saved = {k: os.environ.pop(k) for k in (*hide, *extra) if k in os.environ}
+    os.environ.update(extra)
     try:
         yield
     finally:
+        for k in extra:
+            os.environ.pop(k, None)
         os.environ.update(saved)
+
+
+def what_ran(parallel) -> str:
+    """The row's set-up as the trainer made it."""
+    if not parallel.launched:
+        return "no process group"
+    return NAMES[parallel.kind] if parallel.kind else "unwrapped"
 
 
 def make_trainer(shape: str, batch, policy: str, parallel: str, device: torch.device):
@@ -79,6 +94,16 @@ def time_steps(trainer, batch, warmup: int, steps: int) -> tuple[float, float]:
     return median(times), peak
 
 
+def print_table(title: str, rows) -> None:
+    """rows: (run, what ran, tok/s, peak GiB, activation plan), the plain run first."""
+    plain = rows[0][2]
+    print(title)
+    print(f"{'run':<22} {'ran':<17} {'tok/s':>8} {'peak GiB':>9} {'vs plain':>9}  plan")
+    for name, ran, tok_s, peak, plan in rows:
+        print(f"{name:<22} {ran:<17} {tok_s:>8,.0f} {peak:>9.2f} {tok_s / plain:>8.3f}x  {plan}",
+              flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama-3.1-8b")
@@ -94,24 +119,29 @@ def main():
         raise SystemExit("run under torchrun: torchrun --nproc_per_node 1 bench/dist_speed.py ...")
     device = torch.device(args.device)
     tokens = args.rows * args.seq
-    results = {}
     vocab = ModelConfig.from_dict(hf_config(args.shape).to_dict()).vocab_size
     batch = random_batch(vocab, args.rows, args.seq)
-    for name in ("plain", args.parallel):
-        with without_launcher() if name == "plain" else contextlib.nullcontext():
+    runs = [("plain", environment(hide=(*LAUNCHER_VARS, WRAP_AT_WORLD_SIZE_1))),
+            ("torchrun", environment(hide=(WRAP_AT_WORLD_SIZE_1,))),
+            ("torchrun, wrap forced", environment(**{WRAP_AT_WORLD_SIZE_1: "1"}))]
+    rows = []
+    for name, env in runs:
+        with env:
             trainer = make_trainer(args.shape, batch, args.policy, args.parallel, device)
         step_s, peak = time_steps(trainer, batch.to(trainer.device), args.warmup, args.steps)
-        results[name] = tokens / step_s
+        ran = what_ran(trainer.parallel)
+        rows.append((name, ran, tokens / step_s, peak, trainer.activation_policy))
         if trainer.parallel.writer:
-            record("dist_speed", shape=args.shape, policy=args.policy, run=name,
+            record("dist_speed", shape=args.shape, policy=args.policy, run=name, ran=ran,
                    world_size=trainer.parallel.world_size, plan=trainer.activation_policy,
                    tok_s=tokens / step_s, step_s=step_s, peak_gib=peak)
+        world, writer = trainer.parallel.world_size, trainer.parallel.writer
         del trainer
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    print(f"{args.shape} {args.policy}: plain {results['plain']:,.0f} tok/s, under torchrun "
-          f"({args.parallel}) {results[args.parallel]:,.0f} tok/s: "
-          f"{results[args.parallel] / results['plain']:.3f}x", flush=True)
+    if writer:
+        print_table(f"{args.shape} {args.policy}, torchrun world size {world}, --parallel "
+                    f"{args.parallel}:", rows)
     shutdown()
 
 

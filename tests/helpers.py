@@ -398,6 +398,15 @@ def capture_grads(trainer, monkeypatch) -> list[dict[str, torch.Tensor]]:
     return seen
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (a process group's rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def read_metrics(output: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(output) / "metrics.jsonl").read_text().splitlines()]
 

@@ -80,3 +80,21 @@ def test_explicit_choice_and_what_fsdp2_refuses(budget):
     one = Parallel(None, torch.device("cpu"))
     one.choose(TrainConfig(parallel="fsdp"), mcfg, torch.float32, print)
     assert one.kind is None and not one.launched and one.writer and one.grad_scale == 1
+
+
+def test_world_size_1_wraps_nothing_and_plans_nothing(budget):
+    """Under torchrun with one process the model runs unwrapped, said in one line; nothing is
+    planned for a wrapper (the budget is not even read: the fixture holds none)."""
+    mcfg = ModelConfig.from_dict(CONFIGS["llama"])
+    for parallel, what in (("auto", "no DDP wrap (nothing to all-reduce)"),
+                           ("ddp", "no DDP wrap (nothing to all-reduce)"),
+                           ("fsdp", "no FSDP2 sharding (one process holds every weight anyway; "
+                                    "sharding over one rank only costs)")):
+        lines = []
+        p = Parallel(Ranks(rank=0, world_size=1, local_rank=0, local_world_size=1),
+                     torch.device("cuda"))
+        p.choose(TrainConfig(parallel=parallel), mcfg, torch.bfloat16, lines.append)
+        assert lines == [f"parallel: world size 1: {what}"]
+        assert p.kind is None and not p.sharded and p.launched and p.grad_scale == 1
+        model = torch.nn.Linear(2, 2)
+        assert p.wrap(model) is model

@@ -2,7 +2,9 @@
 FSDP2 give the losses, eval losses and final adapter of one process with the same global batch
 (fp32, 1e-5 relative), with gradient accumulation, packing and an eval pass, on the autograd
 path and on the fused layers (--activations recompute); a run resumes on another number of
-processes; rank 0 alone writes; an error in any process ends every process with one line."""
+processes; rank 0 alone writes; an error in any process ends every process with one line;
+`accelerate launch --multi_gpu` (torchrun's launcher underneath, here with --device cpu) gives
+torchrun's run."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import alpaca_file, read_metrics, tiny_ckpt  # noqa: F401  (fixtures)
+from helpers import alpaca_file, free_port, read_metrics, tiny_ckpt  # noqa: F401
 from safetensors.torch import load_file
 
 import leantune
@@ -33,13 +35,23 @@ FLAGS = ["--max-seq-len", "128", "--lr", "1e-3", "--warmup-steps", "2",
 LORA = ["--lora-r", "4"]
 
 
-def leantune_train(args, procs: int | None = None) -> subprocess.CompletedProcess:
-    """`leantune train ARGS` in a process of its own, or under torchrun with `procs`
-    processes."""
+def leantune_train(args, procs: int | None = None, accelerate: Path | None = None
+                   ) -> subprocess.CompletedProcess:
+    """`leantune train ARGS` in a process of its own, or under torchrun with `procs` processes,
+    or with `accelerate` (a folder for its settings: none there, so only the flags count) under
+    `accelerate launch --multi_gpu` with `procs` processes."""
     env = dict(os.environ, PYTHONPATH=str(SRC), OMP_NUM_THREADS="1")
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                 f"--nproc_per_node={procs}"] if procs else [sys.executable])
-    return subprocess.run([*launcher, "-m", "leantune", "train", *map(str, args)], env=env,
+    if accelerate:
+        env["HF_HOME"] = str(accelerate)  # (accelerate's default settings file lives there)
+        launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
+                    "--num_processes", str(procs), "--num_machines", "1", "--mixed_precision",
+                    "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()), "-m"]
+    elif procs:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    f"--nproc_per_node={procs}", "-m"]
+    else:
+        launcher = [sys.executable, "-m"]
+    return subprocess.run([*launcher, "leantune", "train", *map(str, args)], env=env,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -51,13 +63,14 @@ def run(tiny_ckpt, alpaca_file, tmp_path_factory):  # noqa: F811
     root = tmp_path_factory.mktemp("torchrun")
     done = {}
 
-    def go(name: str, procs: int | None, *flags):
+    def go(name: str, procs: int | None, *flags, accelerate: bool = False):
         if name not in done:
             out = root / name
             batch = B if procs else PROCS * B
             lora = [] if "--full" in flags else LORA
             res = leantune_train(["--model", tiny_ckpt, "--data", alpaca_file, "--output", out,
-                                  *FLAGS, *lora, "--batch-size", batch, *flags], procs)
+                                  *FLAGS, *lora, "--batch-size", batch, *flags], procs,
+                                 accelerate=root / "hf" if accelerate else None)
             assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
             done[name] = (out, res.stdout)
         return done[name]
@@ -108,6 +121,28 @@ def test_same_losses_and_adapter_as_one_process(run, name, flags, line):
     out, stdout = run(name, PROCS, *flags)
     assert f"parallel: {line}" in stdout
     assert_same_run(out, ref)
+
+
+def test_one_process_under_torchrun_is_the_plain_run(run):
+    """World size 1: no DDP wrap, and the plain run's losses, adapter and files."""
+    ref, ref_stdout = run("one", None)
+    out, stdout = run("torchrun-1", 1, "--batch-size", PROCS * B)
+    assert "parallel: world size 1: no DDP wrap (nothing to all-reduce)" in stdout
+    assert_same_run(out, ref)
+    files = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    assert files == sorted(str(p.relative_to(ref)) for p in ref.rglob("*"))
+
+
+def test_accelerate_launch_is_torchrun(run):
+    """`accelerate launch --multi_gpu --num_processes 2 -m leantune train ...` starts the
+    processes as torchrun does (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT): the same run as torchrun's."""
+    want, want_stdout = run(*RUNS[0][:2])
+    out, stdout = run("accelerate", PROCS, accelerate=True)
+    assert f"parallel: {RUNS[0][2]}" in stdout and stdout.count("step 4/4") == 1
+    assert_same_run(out, want)
+    files = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    assert files == sorted(str(p.relative_to(want)) for p in want.rglob("*"))
 
 
 def test_full_fine_tuning_under_fsdp2(run):

@@ -1,6 +1,7 @@
 """Training on several GPUs with PyTorch's own engines: DDP and FSDP2 under torchrun.
 
-    torchrun --nproc_per_node 8 -m leantune train --model ... --data ...   (or accelerate launch)
+    torchrun --nproc_per_node 8 -m leantune train --model ... --data ...
+    accelerate launch --multi_gpu --num_processes 8 -m leantune train --model ... --data ...
 
 setup.py: ranks, device and process group from torchrun's environment; parallel.py: the choice
 of DDP or FSDP2 and what each step does under it; ddp.py, fsdp.py: the two engines; data.py:

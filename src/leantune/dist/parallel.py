@@ -1,6 +1,13 @@
 """How a training run spreads over processes: one process (the plain path, no process group),
 or, under torchrun, DDP or FSDP2 (`--parallel ddp|fsdp|auto`).
 
+Under torchrun with one process (world size 1) the model runs unwrapped, whatever --parallel
+says: there is nothing to all-reduce and nothing to shard over, and DDP's gradient copies would
+take memory the activation plan could use (measured: 1.9% slower at Llama-3.1-8B on an H200).
+Everything else stays as under torchrun (rank 0 writes, the data split, the loss normalised by
+the global token count). LEANTUNE_WRAP_AT_WORLD_SIZE_1=1 wraps it anyway (bench/dist_speed.py
+times both).
+
 auto picks DDP where the model, its trainable state (LoRA, or everything with --full) and the
 leanest activation plan fit one GPU at the memory budget (--max-memory-gib, default the GPU),
 FSDP2 otherwise; on the CPU, which has no budget, DDP. Each process plans its activations
@@ -14,6 +21,7 @@ FSDP2 average over processes, so the loss is scaled by the number of processes (
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 
 import torch
@@ -22,6 +30,7 @@ from ..errors import LeantuneError
 from . import setup
 
 NAMES = {"ddp": "DDP", "fsdp": "FSDP2"}
+WRAP_AT_WORLD_SIZE_1 = "LEANTUNE_WRAP_AT_WORLD_SIZE_1"  # (benchmarks: module docstring)
 
 
 def _gib(n: float) -> str:
@@ -58,13 +67,13 @@ def one_gpu_bytes(cfg, model_config, dtype: torch.dtype,
 class Parallel:
     """The trainer's view of the processes. Without a launcher (`start`) every method is a no-op
     and nothing distributed is imported; under torchrun the process group is up, this process
-    has its device (the GPU of its LOCAL_RANK, or the CPU), `choose` picks DDP or FSDP2, `wrap`
-    applies it, and rank 0 alone writes (`writer`)."""
+    has its device (the GPU of its LOCAL_RANK, or the CPU), `choose` picks DDP or FSDP2 (neither
+    at world size 1), `wrap` applies it, and rank 0 alone writes (`writer`)."""
 
     def __init__(self, ranks: setup.Ranks | None = None,
                  device: torch.device | None = None):
         self.ranks, self.device = ranks, device
-        self.kind: str | None = None  # "ddp" or "fsdp" once chosen (launched only)
+        self.kind: str | None = None  # "ddp" or "fsdp" once chosen (None: unwrapped)
         self.reshard_after_forward = True  # FSDP2: free gathered layer weights after forward
         self.sync_each_micro_batch = False  # FSDP2 --full: reduce-scatter every micro-batch
         self.ddp = None
@@ -130,10 +139,17 @@ class Parallel:
             setup.agree(None, self.device)
 
     def choose(self, cfg, model_config, dtype: torch.dtype, log) -> None:
-        """DDP or FSDP2, per cfg.parallel (auto: module docstring), said in one line; and
+        """DDP or FSDP2, per cfg.parallel (auto: module docstring), or neither at world size 1,
+        said in one line; and
         whether FSDP2 keeps gathered weights from forward to backward (where the whole model
         fits beside this process's share of the rest)."""
         if not self.launched:
+            return
+        if self.world_size == 1 and os.environ.get(WRAP_AT_WORLD_SIZE_1) != "1":
+            log("parallel: world size 1: " + (
+                "no FSDP2 sharding (one process holds every weight anyway; sharding over one "
+                "rank only costs)" if cfg.parallel == "fsdp" else
+                "no DDP wrap (nothing to all-reduce)"))
             return
         kind, why = cfg.parallel, f"--parallel {cfg.parallel}"
         need = budget = None
@@ -179,8 +195,9 @@ class Parallel:
     def wrap(self, model, weights: Path | None = None, seed: int = 0):
         """Apply DDP or FSDP2 to `model` (after its trainables and executors are set); with
         `weights` (FSDP2, a meta model) load this process's rows of them. Returns the module to
-        call for the training forward (the model itself but for DDP's wrapper)."""
-        if not self.launched:
+        call for the training forward (the model itself but for DDP's wrapper). Unwrapped
+        (one process, or world size 1): `model` as it is."""
+        if self.kind is None:
             return model
         if self.kind == "ddp":
             from . import ddp

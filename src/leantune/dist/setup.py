@@ -1,9 +1,15 @@
 """The processes of a run under torchrun: who this process is, its device, the process group.
 
-torchrun (and `accelerate launch`, which starts it) sets RANK, WORLD_SIZE, LOCAL_RANK and
-LOCAL_WORLD_SIZE in every process it starts; `leantune train` under it runs one process per GPU
-(or per CPU process, on the gloo backend). Without those variables nothing here runs: one process
-stays exactly as it is, with no process group.
+torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT in
+every process it starts; `leantune train` under it runs one process per GPU (or per CPU process,
+on the gloo backend). `accelerate launch --multi_gpu` starts the processes through torchrun's
+launcher, so they get the same variables (accelerate 1.15; its own ACCELERATE_* settings, such
+as --mixed_precision, are not read: leantune's flags set the run). `accelerate launch --cpu`
+starts one process (several only through mpirun, --mpirun_hostfile, whose MPI variables leantune
+does not read: it stops with one line rather than let each process train alone into the same
+output folder).
+Without torchrun's variables nothing here runs: one process stays exactly as it is, with no
+process group.
 """
 
 from __future__ import annotations
@@ -32,9 +38,20 @@ class Ranks:
         return self.rank == 0
 
 
+# each MPI launcher's count of the processes it started: Open MPI, MPICH and Intel MPI, MVAPICH
+MPI_WORLD_SIZES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
 def ranks_from_env(environ=os.environ) -> Ranks | None:
     """The launcher's ranks, or None in a process started on its own."""
     if not launched(environ):
+        for key in MPI_WORLD_SIZES:
+            if environ.get(key, "1").strip() not in ("", "0", "1"):
+                raise LeantuneError(
+                    f"{key}={environ[key]}: this process is one of several an MPI launcher "
+                    "started (mpirun, as accelerate launch --cpu --mpirun_hostfile does), whose "
+                    "ranks leantune does not read; start the run with torchrun, or with "
+                    "accelerate launch --multi_gpu (on a host without GPUs too)")
         return None
     try:
         rank, world = int(environ["RANK"]), int(environ["WORLD_SIZE"])

@@ -99,7 +99,7 @@ def math_backward(dout, q, k, v, out, lse, cu_seqlens, window, scale):
 
 
 def sink_forward(q, k, v, sinks, cu_seqlens, max_seqlen, window, scale):
-    """-> (out' [B, T, Hq, D], lse' [Hq, B*T] fp32, flash's rng state or None: the math path)."""
+    """-> (out' [B, T, Hq, D], lse' [Hq, B*T] fp32, flash's rng state: None on the math path)."""
     if flash_ok(q):
         out, lse, rng = flash_forward(q, k, v, cu_seqlens, max_seqlen, window, scale)
     else:
@@ -109,7 +109,7 @@ def sink_forward(q, k, v, sinks, cu_seqlens, max_seqlen, window, scale):
 
 def sink_backward(dout, q, k, v, sinks, out, lse, rng, cu_seqlens, max_seqlen, window, scale):
     """(dq, dk, dv, dsinks) for dout, given sink_forward's inputs and results."""
-    if rng is not None:
+    if flash_ok(q):
         dq, dk, dv = flash_backward(dout, q, k, v, out, lse, rng, cu_seqlens, max_seqlen,
                                     window, scale)
     else:

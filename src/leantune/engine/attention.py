@@ -6,6 +6,11 @@ backward runs no attention forward again. cuDNN runs causal attention over whole
 faster than flash attention 2 on an H200 (fwd+bwd, Llama-3.1-8B shapes). Elsewhere (CPU, fp32,
 EngineOptions.attention == "sdpa") backward re-runs the model's plain attention under autograd.
 
+Attention sinks (gpt-oss, `sinks` [Hq]): on the flash path they are added on top of flash's
+log-sum-exp (model/sink_attention.py), the state keeping the sink-inclusive one, and backward
+returns their gradient too; cuDNN is not used for them. Elsewhere the model's attention with
+sinks runs under autograd as without them.
+
 All tensors are [B, T, H, D] (q: Hq heads, k/v: Hk heads); the metadata is the model's
 AttentionMeta, built once per batch.
 """
@@ -17,10 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from ..model.attention import SDPA_GQA, AttentionMeta, attention, repeat_kv_heads
+from ..model.flash import flash_backward, flash_forward, flash_ok
+from ..model.sink_attention import add_sinks, sinks_grad
 from .options import EngineOptions
 
-_FLASH_OPS = hasattr(torch.ops.aten, "_flash_attention_forward") and hasattr(
-    torch.ops.aten, "_flash_attention_backward")
 _CUDNN_OPS = hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention") and hasattr(
     torch.ops.aten, "_scaled_dot_product_cudnn_attention_backward")
 
@@ -29,14 +34,9 @@ def _bhtd(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2)  # [B, T, H, D] <-> [B, H, T, D] (a view)
 
 
-def _flash_window(window: int | None) -> tuple[bool, int]:
-    left = window - 1 if window else -1
-    return left == -1, left  # (is_causal, window_size_left); window_size_right is 0
-
-
 @dataclass
 class FlashState:
-    lse: torch.Tensor  # [Hq, N] fp32 log-sum-exp
+    lse: torch.Tensor  # [Hq, N] fp32 log-sum-exp (with sinks: the sink-inclusive one)
     rng: torch.Tensor
 
 
@@ -52,6 +52,14 @@ class GraphState:
     """Attention run under autograd (a recompute right before backward): its graph."""
     out: torch.Tensor
     leaves: list
+
+
+def _autograd_attention(q, k, v, sinks, meta, window, scale):
+    """The model's attention under autograd over detached inputs -> (out, the inputs as leaves:
+    q, k, v and sinks where given)."""
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_() for t in (q, k, v, sinks) if t is not None]
+        return attention(*leaves[:3], meta, window, scale, *leaves[3:]), leaves
 
 
 class AttentionBackend:
@@ -108,35 +116,32 @@ class AttentionBackend:
         return dq, dk, dv
 
     def forward(self, q, k, v, meta: AttentionMeta, window: int | None, scale: float,
-                for_backward: bool = False):
+                for_backward: bool = False, sinks: torch.Tensor | None = None):
         """-> (out [B, T, Hq, D], state for `backward`). state: flash's or cuDNN's softmax
         statistics, so backward runs no attention forward again; elsewhere None (backward
         re-runs attention under autograd) or, with `for_backward` (a recompute right before
-        backward), the autograd graph of this call, so backward does not run it a third time."""
-        B, T, Hq, D = q.shape
-        if self._cudnn_ok(q, meta, window):
+        backward), the autograd graph of this call, so backward does not run it a third time.
+        `sinks` [Hq]: attention sinks (module docstring)."""
+        if sinks is None and self._cudnn_ok(q, meta, window):
             res = self._cudnn_forward(q, k, v, scale)
             if res is not None:
                 return res
-        if meta.path == "varlen" and self.use_flash and _FLASH_OPS:
-            causal, left = _flash_window(window)
-            out, lse, rng, _, _ = torch.ops.aten._flash_attention_forward(
-                q.view(B * T, Hq, D), k.view(B * T, -1, D), v.view(B * T, -1, D),
-                meta.cu_seqlens, meta.cu_seqlens, meta.max_seqlen, meta.max_seqlen, 0.0, causal,
-                False, scale=scale, window_size_left=left, window_size_right=0)
-            return out.view(B, T, Hq, D), FlashState(lse, rng)
+        if meta.path == "varlen" and self.use_flash and flash_ok(q):
+            out, lse, rng = flash_forward(q, k, v, meta.cu_seqlens, meta.max_seqlen, window,
+                                          scale)
+            if sinks is not None:
+                out, lse = add_sinks(out, lse, sinks.detach())
+            return out, FlashState(lse, rng)
         if for_backward:
-            with torch.enable_grad():
-                leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-                out = attention(*leaves, meta, window, scale)
+            out, leaves = _autograd_attention(q, k, v, sinks, meta, window, scale)
             return out.detach(), GraphState(out, leaves)
         with torch.no_grad():
-            return attention(q, k, v, meta, window, scale), None
+            return attention(q, k, v, meta, window, scale, sinks), None
 
     def backward(self, dout, q, k, v, out, state, meta: AttentionMeta, window: int | None,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(dq, dk, dv) for dout [B, T, Hq, D], given forward's inputs, output and state."""
-        B, T, Hq, D = q.shape
+                 scale: float, sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """(dq, dk, dv) for dout [B, T, Hq, D], given forward's inputs, output and state; with
+        `sinks` (as forward had them) (dq, dk, dv, dsinks), dsinks [Hq] in the sinks' dtype."""
         if isinstance(state, CudnnState):
             try:
                 return self._cudnn_backward(dout, q, k, v, out, state, scale)
@@ -148,18 +153,13 @@ class AttentionBackend:
         if isinstance(state, GraphState):
             return torch.autograd.grad(state.out, state.leaves, dout)
         if isinstance(state, FlashState):
-            causal, left = _flash_window(window)
-            dq, dk, dv = torch.ops.aten._flash_attention_backward(
-                dout.view(B * T, Hq, D), q.view(B * T, Hq, D), k.view(B * T, -1, D),
-                v.view(B * T, -1, D), out.view(B * T, Hq, D), state.lse, meta.cu_seqlens,
-                meta.cu_seqlens, meta.max_seqlen, meta.max_seqlen, 0.0, causal, state.rng,
-                torch.empty(0, device=q.device), scale=scale, window_size_left=left,
-                window_size_right=0)
-            return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-            o = attention(*leaves, meta, window, scale)
-            return torch.autograd.grad(o, leaves, dout)
+            grads = flash_backward(dout, q, k, v, out, state.lse, state.rng, meta.cu_seqlens,
+                                   meta.max_seqlen, window, scale)
+            if sinks is None:
+                return grads
+            return (*grads, sinks_grad(dout, out, state.lse, sinks.detach()))
+        out, leaves = _autograd_attention(q, k, v, sinks, meta, window, scale)
+        return torch.autograd.grad(out, leaves, dout)
 
     @staticmethod
     def state_bytes_per_token(num_heads: int) -> int:

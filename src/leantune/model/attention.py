@@ -16,12 +16,10 @@ Sliding-window layers (Mistral) attend to the previous `window` tokens including
 
 Attention sinks (gpt-oss): a learned logit per head joins every softmax's denominator and
 attends to nothing, so a query may give less than all of its weight to the keys. Neither SDPA
-nor varlen_attn takes one, so models with sinks always take the mask path, where the softmax is
-computed here with the sink as an extra column (`_sink_attention`): correct on any device, but
-the slow path (the scores [B, Hq, T, T] in fp32). A fast path needs the softmax statistics:
-with a kernel's log-sum-exp L per (token, head), sink attention = flash attention's output *
-sigmoid(L - sink), so flash varlen with its LSE (the engine's attention backends keep it), or
-flex attention, can do it later.
+nor varlen_attn takes one. On the varlen and causal paths they are added on top of flash
+attention's log-sum-exp (sink_attention.py: exact, nothing [T, T] kept; a "causal" batch is
+varlen with one document per row); on the mask and cache paths the softmax is computed here with
+the sink as an extra column (`_sink_attention`: the scores [B, Hq, T, T] in fp32).
 
 The hand-written layer backward (leantune.engine) has attention backends of its own that keep
 the softmax statistics for backward; they read the same metadata.
@@ -34,6 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from .sink_attention import sink_attention_varlen
 
 try:
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
@@ -68,17 +68,11 @@ class AttentionMeta:
     @classmethod
     def build(cls, batch_shape: tuple[int, int], device: torch.device, seq_lens: list[int] | None,
               cu_seqlens: torch.Tensor | None, max_seqlen: int, windows: set,
-              dtype: torch.dtype = torch.bfloat16, path: str | None = None,
-              sinks: bool = False) -> "AttentionMeta":
+              dtype: torch.dtype = torch.bfloat16, path: str | None = None) -> "AttentionMeta":
         """Metadata for a [B, T] batch whose segments have the host-side lengths `seq_lens`
-        (None: one document per row). `path` forces a path (tests, benchmarks); None chooses.
-        `sinks`: the model has attention sinks (only the mask path computes them)."""
+        (None: one document per row). `path` forces a path (tests, benchmarks); None chooses."""
         B, T = batch_shape
         single_doc = seq_lens is None or len(seq_lens) == B
-        if sinks:
-            if path not in (None, "mask"):
-                raise ValueError(f"attention sinks need the mask path, not {path!r}")
-            path = "mask"
         if path is None:
             if device.type == "cuda" and HAS_VARLEN and dtype in (torch.float16, torch.bfloat16):
                 path = "varlen"
@@ -173,12 +167,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attention
               window: int | None, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention within documents. q: [B, T, Hq, D], k/v: [B, T, Hk, D] -> [B, T, Hq, D]
     (the "cache" path: k/v are the cache's [B, S, Hk, D]). `sinks` [Hq]: attention sinks
-    (module docstring; the mask and cache paths only)."""
+    (module docstring)."""
     B, T, Hq, D = q.shape
     if sinks is not None:
-        if meta.path not in ("mask", "cache"):
-            raise ValueError("attention sinks need AttentionMeta built with sinks=True")
-        return _sink_attention(q, k, v, meta.masks[window], sinks, scale)
+        if meta.path in ("mask", "cache"):
+            return _sink_attention(q, k, v, meta.masks[window], sinks, scale)
+        if meta.path == "varlen":
+            return sink_attention_varlen(q, k, v, sinks, meta.cu_seqlens, meta.max_seqlen,
+                                         window, scale)
+        rows = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)  # "causal"
+        return sink_attention_varlen(q, k, v, sinks, rows, T, window, scale)
     if meta.path == "cache":
         return cache_attention(q, k, v, meta.masks[window], scale)
     if meta.path == "causal" or (meta.path == "varlen" and meta.one_document_rows

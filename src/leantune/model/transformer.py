@@ -143,7 +143,7 @@ class CausalLM(nn.Module):
                 cu_seqlens=batch.cu_seqlens if batch is not None else None,
                 max_seqlen=batch.max_seqlen if batch is not None else T,
                 windows={layer.self_attn.window for layer in self.layers}, dtype=x.dtype,
-                path=self.attention_path, sinks=self.config.attention_sinks)
+                path=self.attention_path)
         for layer in self.layers:
             x = layer(x, cos, sin, meta)
         return self.model.norm(x)

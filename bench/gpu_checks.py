@@ -1,13 +1,17 @@
 """GPU correctness checks that the CPU suite cannot run: the varlen flash-attention path on
 packed rows against the mask path (bf16), the whole model on Triton kernels against reference
 ops, the fused layers (flash / cuDNN attention ops, offload through pinned memory and a side
-stream, Qwen3's q/k norm kernel) against autograd, and the environment facts.
+stream, Qwen3's q/k norm kernel) against autograd, the MoE layers (grouped GEMMs against the
+per-expert loop, the fused MoE layer against autograd, gpt-oss's sinks on flash attention
+against the mask path), and the environment facts.
 
-    python bench/gpu_checks.py
+    python bench/gpu_checks.py            # everything
+    python bench/gpu_checks.py --moe      # the MoE checks only
 """
 
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
 
@@ -58,15 +62,20 @@ def main():
     import transformers
     import triton
 
-    argparse.ArgumentParser(description="GPU correctness checks (bf16/fp32): kernels vs "
-                            "reference ops, fused layer vs autograd, host-memory embedding; "
-                            "one JSON line each").parse_args()
+    ap = argparse.ArgumentParser(description="GPU correctness checks (bf16/fp32): kernels vs "
+                                 "reference ops, fused layer vs autograd, host-memory embedding, "
+                                 "MoE; one JSON line each")
+    ap.add_argument("--moe", action="store_true", help="the MoE checks only")
+    args = ap.parse_args()
 
     record("env", torch=torch.__version__, triton=triton.__version__,
            transformers=transformers.__version__, gpu=torch.cuda.get_device_name(),
            capability=list(torch.cuda.get_device_capability()), has_varlen=attn.HAS_VARLEN,
            varlen_params=sorted(attn._VARLEN_PARAMS), leantune=leantune.__version__)
     dev = torch.device("cuda")
+    if args.moe:
+        moe_checks(dev)
+        return
     # a small Llama-like model with GQA and sliding window variants, fp32 and bf16
     for window in (None, 37):
         cfg = small_config(window, layers=2)
@@ -118,6 +127,7 @@ def main():
     fused_layer_checks(dev)
     qk_norm_rope_check(dev)
     embedding_check(dev)
+    moe_checks(dev)
 
 
 def qk_norm_rope_check(dev, B=4, T=2048, Hq=40, Hk=8, D=128):
@@ -226,6 +236,96 @@ def fused_layer_checks(dev):
                        window=window, rows="one document each" if dense else "packed",
                        attention=attention, loss_rel=rel(first[0], ref[0]),
                        grad_rel=rel(first[1], ref[1]), repeat_grad_rel=rel(again[1], first[1]))
+
+
+MOE_CONFIGS = {
+    "qwen3_moe": dict(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=128, norm_topk_prob=True),
+    "gpt_oss": dict(model_type="gpt_oss", num_local_experts=8, num_experts_per_tok=2,
+                    intermediate_size=128, sliding_window=37, attention_bias=True,
+                    layer_types=["sliding_attention", "full_attention"] * 2,
+                    rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                  "beta_slow": 1.0, "truncate": False,
+                                  "original_max_position_embeddings": 256},
+                    rope_theta=150000.0),
+}
+
+
+def moe_checks(dev):
+    """MoE on the GPU, bf16, packed rows, LoRA on attention and experts (random B): autograd
+    with grouped GEMMs vs the per-expert loop; the fused MoE layer at each keep level and
+    offloaded vs autograd; for gpt-oss, sinks on flash attention (varlen) vs the mask path."""
+    from leantune.engine import Engine
+    from leantune.model.moe import MoEBlock
+
+    for family, extra in MOE_CONFIGS.items():
+        d = hf_config("tiny").to_dict()
+        d.update(hidden_size=256, intermediate_size=512, num_attention_heads=8,
+                 num_key_value_heads=2, head_dim=32, vocab_size=1000, num_hidden_layers=4)
+        d.update(extra)
+        m = build_empty(ModelConfig.from_dict(d), torch.bfloat16, dev)
+        m.init_weights(seed=0)
+        randomize_norms(m)
+        leantune.apply_lora(m, leantune.LoRAConfig(r=8, alpha=16, targets=[
+            "q_proj", "k_proj", "v_proj", "o_proj", "experts"]), dtype=torch.float32)
+        with torch.no_grad():
+            for n, p in m.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.02)
+        g = torch.Generator().manual_seed(1)
+        rows = []
+        for r in ([100, 300, 57, 55], [512]):
+            row = []
+            for n in r:
+                ids = torch.randint(0, 1000, (n,), generator=g).tolist()
+                row.append((ids, ids[1:] + [-100]))
+            rows.append(row)
+        b = PackedBatch.from_documents(rows).to(dev)
+        params = [p for p in m.parameters() if p.requires_grad]
+        blocks = [layer.mlp for layer in m.layers if isinstance(layer.mlp, MoEBlock)]
+
+        def run(model=m):
+            loss = model.loss_sum(b)
+            gs = torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
+            return loss.detach(), torch.cat([x.flatten() for x in gs])
+
+        detach(m)
+        ref = run()
+        again = run()
+        # the noise floor of bf16: the same model in fp32 (autograd)
+        fp32 = run(copy.deepcopy(m).float())
+        record("gpu_check", what="MoE autograd twice (grouped GEMMs)", family=family,
+               loss_rel=rel(again[0], ref[0]), grad_rel=rel(again[1], ref[1]))
+        record("gpu_check", what="MoE autograd bf16 vs fp32 (the noise floor)", family=family,
+               loss_rel=rel(ref[0], fp32[0]), grad_rel=rel(ref[1], fp32[1]))
+        for blk in blocks:
+            blk.grouped_mm = False
+        loop = run()
+        for blk in blocks:
+            blk.grouped_mm = None
+        record("gpu_check", what="MoE grouped GEMMs vs per-expert loop (autograd)",
+               family=family, loss_rel=rel(ref[0], loop[0]), grad_rel=rel(ref[1], loop[1]))
+        if m.config.attention_sinks:
+            m.attention_path = "mask"
+            mask = run()
+            m.attention_path = None
+            record("gpu_check", what="sinks: flash varlen vs mask path (autograd)",
+                   family=family, loss_rel=rel(ref[0], mask[0]), grad_rel=rel(ref[1], mask[1]))
+        plans = {"keep0": [LayerPlan(0)] * 4, "keep1": [LayerPlan(1)] * 4,
+                 "keep2": [LayerPlan(2)] * 4,
+                 "mixed offload": [LayerPlan(0, True), LayerPlan(2), LayerPlan(1, True),
+                                   LayerPlan(2, True)]}
+        for name, pl in plans.items():
+            engine = Engine()
+            engine.attach(m, pl)
+            kinds = {layer.executor.kind for layer in m.layers}
+            first = run()
+            second = run()
+            record("gpu_check", what=f"fused MoE layer {name} vs autograd (bf16)", family=family,
+                   executors=sorted(kinds), loss_rel=rel(first[0], ref[0]),
+                   grad_rel=rel(first[1], ref[1]), repeat_grad_rel=rel(second[1], first[1]),
+                   vs_fp32_grad_rel=rel(first[1], fp32[1]))
+        detach(m)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,16 @@ from leantune.engine.executor import FusedExecutor, Kept
 from leantune.model.config import ModelConfig
 
 MOE = dict(BASE, num_experts=5, num_experts_per_tok=2, moe_intermediate_size=24)
+GPT_OSS = dict(BASE, model_type="gpt_oss", hidden_size=64, intermediate_size=32,
+               num_local_experts=4, num_experts_per_tok=2, sliding_window=6, swiglu_limit=0.5,
+               layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+               rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "truncate": False,
+                             "original_max_position_embeddings": 64},
+               rope_theta=150000.0, attention_bias=True)
 CONFIGS = {
+    # sinks, alternating windows, biases, the clamped SwiGLU over interleaved gate/up
+    "gpt_oss": GPT_OSS,
     # layer 1 dense (mlp_only_layers), top-2 of 5 not renormalised
     "qwen3_moe": dict(MOE, model_type="qwen3_moe", mlp_only_layers=[1], norm_topk_prob=False),
     "qwen3_moe_norm": dict(MOE, model_type="qwen3_moe", norm_topk_prob=True),
@@ -50,7 +59,7 @@ def test_attention_lora_only_and_frozen_lower_layer():
     check(model, [LayerPlan(1), LayerPlan(2), LayerPlan(0)])
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe_norm", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe_norm", "mixtral", "gpt_oss"])
 def test_lora_on_experts(family):
     """Expert LoRA (random B, so every gradient carries signal) on the fused MoE layer."""
     model = model_for(CONFIGS[family], targets=["q_proj", "v_proj", "experts"])

@@ -300,7 +300,7 @@ class _LayerRun:
         qkv = self.qkv.project(X1)
         q4, k4, v4 = self._rotated(qkv, shape, in_place=True)
         out4, state = self.ex.attention.forward(q4, k4, v4, self.meta, at.window, at.scale,
-                                                for_backward)
+                                                for_backward, sinks=at.sinks)
         return X1, rstd1, qkv, (q4, k4, v4), out4, state
 
     def _chunks(self, n: int, whole: bool, itemsize: int = 2, forward: bool = False):
@@ -413,8 +413,10 @@ class _LayerRun:
 
         # attention: h_mid = x + o(attn(rope(qk_norm(q, k)), v))
         dattn = self.o.backward(out4.reshape(N, -1), [dh_mid], grads)
+        # (with attention sinks, frozen, their gradient comes fourth and is dropped)
         dq, dk, dv = self.ex.attention.backward(dattn.view(out4.shape), q4, k4, v4, out4, state,
-                                                self.meta, at.window, at.scale)
+                                                self.meta, at.window, at.scale,
+                                                sinks=at.sinks)[:3]
         # the q/k norm's backward reads the raw projections: only those layers hold them on
         q_raw, k_raw, _ = self._split_qkv(qkv, self.shape) if at.q_norm is not None else (
             None, None, None)

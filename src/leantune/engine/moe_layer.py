@@ -31,7 +31,8 @@ gradient and takes dB_e = s dy_e^T (x A_e^T)_e, dA_e = s (dy B_e)_e^T x_e per ex
 the routing weights (its unweighted G still carries the LoRA term, for d weights).
 
 Off the fused MoE path (the layer falls back to autograd, `moe_unsupported` says why): the
-router's load-balancing loss, router jitter noise, attention sinks.
+router's load-balancing loss and router jitter noise. gpt-oss's attention sinks (frozen) run in
+the attention backend (engine/attention.py), its clamped SwiGLU's backward under autograd.
 """
 
 from __future__ import annotations
@@ -56,8 +57,6 @@ def moe_unsupported(layer) -> str | None:
         return "the router's load-balancing loss (--router-aux-loss-coef)"
     if moe.spec.jitter_noise > 0:
         return "router jitter noise"
-    if layer.self_attn.sinks is not None:
-        return "attention sinks"
     return None
 
 

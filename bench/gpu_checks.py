@@ -47,6 +47,19 @@ def small_config(window: int | None, layers: int, family: str = "llama") -> Mode
     return cfg
 
 
+def packed_rows(lens: list[list[int]], dev, seed: int = 1) -> PackedBatch:
+    """Rows of random documents of the given lengths (vocabulary 1000), next-token labels."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for r in lens:
+        row = []
+        for n in r:
+            ids = torch.randint(0, 1000, (n,), generator=g).tolist()
+            row.append((ids, ids[1:] + [-100]))
+        rows.append(row)
+    return PackedBatch.from_documents(rows).to(dev)
+
+
 def randomize_norms(m, seed=0):
     """Norm weights (q/k norms too) away from 1, so that they carry signal."""
     g = torch.Generator(device=next(m.parameters()).device).manual_seed(seed)
@@ -200,15 +213,7 @@ def fused_layer_checks(dev):
         leantune.apply_lora(m, leantune.LoRAConfig(r=8, alpha=16), dtype=torch.float32)
         for _, layer in leantune.lora.lora_layers(m):
             torch.nn.init.normal_(layer.lora_B.weight, std=0.02)
-        g = torch.Generator().manual_seed(1)
-        rows = []
-        for r in lens:
-            row = []
-            for n in r:
-                ids = torch.randint(0, 1000, (n,), generator=g).tolist()
-                row.append((ids, ids[1:] + [-100]))
-            rows.append(row)
-        b = PackedBatch.from_documents(rows).to(dev)
+        b = packed_rows(lens, dev)
         params = [p for p in m.parameters() if p.requires_grad]
 
         def run():
@@ -272,16 +277,7 @@ def moe_checks(dev):
             for n, p in m.named_parameters():
                 if "lora_B" in n:
                     p.normal_(0, 0.02)
-        g = torch.Generator().manual_seed(1)
-        rows = []
-        for r in ([100, 300, 57, 55], [512]):
-            row = []
-            for n in r:
-                ids = torch.randint(0, 1000, (n,), generator=g).tolist()
-                row.append((ids, ids[1:] + [-100]))
-            rows.append(row)
-        b = PackedBatch.from_documents(rows).to(dev)
-        params = [p for p in m.parameters() if p.requires_grad]
+        b = packed_rows([[100, 300, 57, 55], [512]], dev)
         blocks = [layer.mlp for layer in m.layers if isinstance(layer.mlp, MoEBlock)]
 
         def run(model=m):

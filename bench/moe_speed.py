@@ -125,7 +125,7 @@ def expert_projection(ex, name: str, e: int, h: torch.Tensor) -> torch.Tensor:
 
 def transformers_block(cfg: dict, block: MoEBlock):
     """transformers' Qwen3MoeSparseMoeBlock sharing `block`'s tensors (same parameter names),
-    experts_implementation grouped_mm: a function x [N, H] -> [N, H]."""
+    experts_implementation grouped_mm: (a function x [N, H] -> [N, H], its implementation)."""
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
@@ -135,7 +135,7 @@ def transformers_block(cfg: dict, block: MoEBlock):
         hf = Qwen3MoeSparseMoeBlock(hcfg)
     hf.load_state_dict(block.state_dict(), assign=True, strict=True)
     hf.requires_grad_(False)
-    return lambda x: hf(x[None])[0]
+    return (lambda x: hf(x[None])[0]), hf.experts.config._experts_implementation
 
 
 def time_ms(fn, device, iters: int, warmup: int) -> float:
@@ -161,8 +161,9 @@ def bench_routing(size: str, grouped: str, iters: int, warmup: int, device) -> l
     uses_grouped = block.grouped_mm if block.grouped_mm is not None else grouped_mm_fits(
         x, block.experts.gate_up_proj.transpose(1, 2))
     impls = {"leantune": block, "loop": lambda x_: loop_moe(block, x_)}
+    paths = {"leantune": "grouped_mm" if uses_grouped else "loop", "loop": "torch.where loop"}
     try:
-        impls["transformers"] = transformers_block(cfg, block)
+        impls["transformers"], paths["transformers"] = transformers_block(cfg, block)
     except Exception as e:  # an older transformers: the comparison with it is left out
         print(f"transformers' Qwen3MoeSparseMoeBlock: {type(e).__name__}: {e}", flush=True)
     rows = []
@@ -176,9 +177,7 @@ def bench_routing(size: str, grouped: str, iters: int, warmup: int, device) -> l
             y = f(xg)
             grads = torch.autograd.grad(y, [xg, *params], dy)
             row = dict(size=size, impl=impl, lora=lora, tokens=tokens, experts=experts,
-                       top_k=top_k,
-                       path=("grouped_mm" if uses_grouped else "loop") if impl == "leantune"
-                       else None)
+                       top_k=top_k, path=paths[impl])
             if ref is None:
                 ref = (y.detach(), grads)
             else:
@@ -303,7 +302,7 @@ def print_routing(rows: list[dict]) -> None:
     for r in rows:
         print(f"{r['impl']:<13}{str(r['lora']):<6}{r['fwd_ms']:>9.3f}{r['fwd_bwd_ms']:>10.3f}"
               f"{fmt(r.get('out_diff'), '.2e'):>10}{fmt(r.get('dx_diff'), '.2e'):>10}"
-              f"{str(r.get('agree', '-')):>7}  {r['path'] or ''}")
+              f"{str(r.get('agree', '-')):>7}  {r['path']}")
     for lora in (False, True):
         ours, loop, hf = (by.get((i, lora)) for i in ("leantune", "loop", "transformers"))
         if ours and loop:

@@ -14,7 +14,8 @@ w.r.t. x, and the LoRA parameters where there are any; a fixed random upstream g
 and, with LoRA r=16 alpha=16 on both stacked expert projections (fp32 masters, B random so it
 counts), leantune and loop again. CUDA events, --routing-iters calls after --routing-warmup.
 Reported: ms, gain = (t_loop / t_leantune - 1) * 100 %, transformers / leantune, and the max
-abs differences of the outputs and of dx against leantune (the comparisons are of the same math).
+abs differences of the outputs and of dx against leantune, `agree` when both are within 2% of
+the largest magnitude (the same math in bf16, summed in another order).
 
 `e2e`: the LoRA training step, leantune vs transformers + PEFT in the same run, per shape in
 bench/shapes.py (random bf16 weights, normal(0, 0.02)), --rows x --seq tokens of random ids,
@@ -24,16 +25,20 @@ with --experts-row also on q,k,v,o + the experts (leantune's `experts` target; P
 `target_parameters` on the stacked expert parameters, the same init copied over). leantune runs
 through Trainer.train_step under --policy (as bench/speed.py); transformers runs SDPA attention
 (eager for gpt-oss, which has no SDPA path for its sinks), its default experts implementation,
-non-reentrant gradient checkpointing, loss from model(input_ids, labels=...). Each (shape, row,
-tool) that fails (e.g. out of memory) is one line in the table; the run goes on. One model at a
-time is on the GPU (the 30B shape's weights are 61 GB).
+non-reentrant gradient checkpointing, loss from model(input_ids, labels=...). `loss0`, the
+first step's loss, is the same for both tools (the same weights; LoRA B starts at 0). Each
+(shape, row, tool) that fails (e.g. out of memory) is one line in the table; the run goes on;
+none starts after --stop-after seconds. One model at a time is on the GPU (the 30B shape's
+weights are 61 GB; transformers shares leantune's tensors, bench/harness.py hf_peft_model).
 
-    # H200 (one call, all parts; rows go to $OUT/results.jsonl, a table at the end)
-    python bench/moe_speed.py --parts routing e2e --experts-row \\
-        --shapes qwen3-30b-a3b gpt-oss-20b mixtral-8x7b-8l
-    # CPU dry run of everything (times are meaningless; the agreement checks are not)
-    python bench/moe_speed.py --device cpu --parts routing e2e --routing-shape tiny \\
-        --shapes tiny-qwen3-moe tiny-gpt-oss tiny-mixtral --rows 2 --seq 64 --experts-row
+    # H200, one call, all parts (rows go to $OUT/results.jsonl as they come; a table at the end)
+    PYTHONPATH=src python bench/moe_speed.py --parts routing e2e --experts-row \\
+        --shapes qwen3-30b-a3b gpt-oss-20b mixtral-8x7b-8l --stop-after 420
+    # CPU dry run of everything (times are meaningless; the agreement checks are not);
+    # --grouped on runs leantune's grouped GEMM path (grouped_mm on the CPU) as on the GPU
+    OMP_NUM_THREADS=1 PYTHONPATH=src python bench/moe_speed.py --device cpu --parts routing e2e \\
+        --routing-shape tiny --grouped on --shapes tiny-qwen3-moe tiny-gpt-oss tiny-mixtral \\
+        --rows 2 --seq 64 --experts-row
 """
 
 from __future__ import annotations

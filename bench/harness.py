@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from leantune.lora import LoRAConfig, apply_lora, lora_layers
+from leantune.lora import LoRAConfig, apply_lora
 from leantune.model.config import ModelConfig
 from leantune.model.loader import build_empty
 
@@ -70,14 +70,22 @@ def add_lora(model, r=16, alpha=16, seed=0):
 
 
 def hf_peft_model(shape: str, base, device, gradient_checkpointing=True):
-    """The transformers model of `shape` (SDPA) over `base`'s weights + PEFT LoRA with the same
-    init."""
+    """The transformers model of `shape` over `base`'s weights + PEFT LoRA on the projections
+    `base` has LoRA on, with the same init. Attention: SDPA, or eager where the model has no SDPA
+    path (gpt-oss's sinks). LoRA on the experts (leantune's `experts` target) becomes PEFT's
+    `target_parameters` on the stacked expert parameters (lora/peft_io.py), its A and B copied in
+    PEFT's 2-D layout."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    from leantune.lora.config import EXPERTS
+    from leantune.lora.peft_io import PREFIX, TARGET_PARAMETERS, adapted_tensors, parse_key, to_peft
+
     cfg = hf_config(shape)
+    cls = AutoModelForCausalLM._model_mapping[type(cfg)]
+    attn = "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
     with torch.device("meta"):
-        hf = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa",
+        hf = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn,
                                               dtype=base.model.embed_tokens.weight.dtype)
     # .to(device): shares the tensors already there; a copy of a table leantune keeps in host
     # memory (the Trainer's offload_embedding), which HF reads on the GPU
@@ -97,18 +105,26 @@ def hf_peft_model(shape: str, base, device, gradient_checkpointing=True):
     hf.config.use_cache = False
     if gradient_checkpointing:
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     lcfg = base.lora_config
-    pm = get_peft_model(hf, LoraConfig(r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=0.0,
-                                       target_modules=targets, task_type="CAUSAL_LM"))
-    ours = dict(lora_layers(base))
+    ours = adapted_tensors(base)  # {base tensor name: (A, B)}
+    # the projections leantune adapted (not every target asked for: a MoE model has no gate_proj)
+    modules = sorted({k.rsplit(".", 2)[-2] for k, (a, _) in ours.items() if a.dim() == 2})
+    pm = get_peft_model(hf, LoraConfig(
+        r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=0.0, task_type="CAUSAL_LM",
+        target_modules=modules,
+        target_parameters=TARGET_PARAMETERS if EXPERTS in lcfg.targets else None))
+    copied = 0
     with torch.no_grad():
         for name, mod in pm.named_modules():
-            if hasattr(mod, "lora_A") and isinstance(getattr(mod, "lora_A"), torch.nn.ModuleDict):
-                key = name.replace("base_model.model.", "", 1)
-                src = ours[key]
-                mod.lora_A["default"].weight.copy_(src.lora_A.weight)
-                mod.lora_B["default"].weight.copy_(src.lora_B.weight)
+            if isinstance(getattr(mod, "lora_A", None), torch.nn.ModuleDict):
+                key = PREFIX + name.replace(PREFIX, "", 1) + ".lora_A.weight"
+                a, b = ours[parse_key(key)[0]]
+                if a.dim() == 3:  # stacked experts: [E, r, in], [E, out, r] -> PEFT's 2-D
+                    a, b = to_peft(a, b)
+                mod.lora_A["default"].weight.copy_(a)
+                mod.lora_B["default"].weight.copy_(b)
+                copied += 1
+    assert copied == len(ours), (copied, len(ours))
     return pm
 
 

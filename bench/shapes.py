@@ -1,6 +1,8 @@
-"""Model shapes for benchmarks: HF config dicts of public Llama and Qwen3 models (random init, no
-download)."""
+"""Model shapes for benchmarks: HF config dicts of public Llama, Qwen3 and mixture-of-experts
+models (Qwen3-MoE, gpt-oss, Mixtral; random init, no download)."""
 
+GPT_OSS_YARN = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 4096}
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -33,6 +35,30 @@ SHAPES = {
                          num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
                          rope_theta=1000000.0, rope_scaling=None, max_position_embeddings=40960,
                          tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645),
+    # mixture-of-experts shapes (the public config.json values; gpt-oss with bf16 experts, not
+    # MXFP4; Mixtral-8x7B cut to 8 of its 32 layers so that two tools' runs fit one GPU call)
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
+                          intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                          num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                          mlp_only_layers=[], num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6,
+                          rope_theta=1000000.0, rope_scaling=None, max_position_embeddings=40960,
+                          tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645),
+    "gpt-oss-20b": dict(model_type="gpt_oss", vocab_size=201088, hidden_size=2880,
+                        intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4,
+                        num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8,
+                        head_dim=64, attention_bias=True, sliding_window=128,
+                        layer_types=["sliding_attention", "full_attention"] * 12,
+                        swiglu_limit=7.0, rms_norm_eps=1e-5, rope_theta=150000.0,
+                        rope_scaling=GPT_OSS_YARN, max_position_embeddings=131072,
+                        tie_word_embeddings=False, pad_token_id=199999, eos_token_id=200002),
+    "mixtral-8x7b-8l": dict(model_type="mixtral", vocab_size=32000, hidden_size=4096,
+                            intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
+                            num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=8,
+                            head_dim=128, sliding_window=None, rms_norm_eps=1e-5,
+                            rope_theta=1000000.0, rope_scaling=None,
+                            max_position_embeddings=32768, tie_word_embeddings=False,
+                            bos_token_id=1, eos_token_id=2),
     # CPU-sized shapes for dry runs of the harness
     "tiny-qwen3": dict(model_type="qwen3", vocab_size=1000, hidden_size=64, intermediate_size=160,
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -44,4 +70,26 @@ SHAPES = {
                  rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE,
                  max_position_embeddings=4096, tie_word_embeddings=False,
                  bos_token_id=1, eos_token_id=2),
+    "tiny-qwen3-moe": dict(model_type="qwen3_moe", vocab_size=1000, hidden_size=64,
+                           intermediate_size=160, moe_intermediate_size=32, num_experts=8,
+                           num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+                           mlp_only_layers=[], num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                           rope_theta=1000000.0, rope_scaling=None, max_position_embeddings=4096,
+                           tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
+    "tiny-gpt-oss": dict(model_type="gpt_oss", vocab_size=1000, hidden_size=64,
+                         intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, attention_bias=True, sliding_window=8,
+                         layer_types=["sliding_attention", "full_attention"], swiglu_limit=7.0,
+                         rms_norm_eps=1e-5, rope_theta=150000.0,
+                         rope_scaling=dict(GPT_OSS_YARN, original_max_position_embeddings=64),
+                         max_position_embeddings=4096, tie_word_embeddings=False,
+                         pad_token_id=0, eos_token_id=2),
+    "tiny-mixtral": dict(model_type="mixtral", vocab_size=1000, hidden_size=64,
+                         intermediate_size=96, num_local_experts=4, num_experts_per_tok=2,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, sliding_window=None, rms_norm_eps=1e-5,
+                         rope_theta=1000000.0, rope_scaling=None, max_position_embeddings=4096,
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
 }

@@ -34,7 +34,7 @@ def random_batch(vocab: int, rows: int, seq: int, seed: int = 0) -> PackedBatch:
     return PackedBatch.from_documents(docs, pad_to_multiple=1)
 
 
-def make_trainer(shape, batch, policy, steps, device):
+def make_trainer(shape, batch, policy, steps, device, lora_targets="q,k,v,o,gate,up,down"):
     """A Trainer for `policy`: "recompute" | "offload" | "keep" | "auto@GiB" (memory-budgeted) |
     "offload:N[k0]" (hand plan), optionally "+compile", "+nofused" (autograd layers instead of
     the hand-written backward), "+noembed" (input embedding kept on the GPU), "+keepall:M"
@@ -47,7 +47,8 @@ def make_trainer(shape, batch, policy, steps, device):
     cfg = TrainConfig(output=tempfile.mkdtemp(), max_seq_len=batch.input_ids.shape[1],
                       batch_size=batch.input_ids.shape[0], lr=1e-4, warmup_steps=0,
                       max_steps=steps, progress=False, eval_every=0, lora_r=16, lora_alpha=16,
-                      overwrite=True, device=str(device), activations=ckpt,
+                      lora_targets=lora_targets, overwrite=True, device=str(device),
+                      activations=ckpt,
                       max_memory_gib=float(budget) if budget else None,
                       compile="compile" in extras, fused_layers="nofused" not in extras,
                       offload_embedding="noembed" not in extras)

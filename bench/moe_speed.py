@@ -267,7 +267,13 @@ def bench_e2e(shape, args, device, deadline: float) -> list[dict]:
     rows = []
     for targets in lora_rows:
         tok_s = {}
-        for tool in ("transformers+peft", "leantune"):
+        # one leantune run per policy ("auto+nofused": the MoE layers under autograd instead of
+        # the fused layer, the switch's benchmark)
+        tools = ["transformers+peft"] + [("leantune", p) for p in args.policy]
+        for tool in tools:
+            tool, policy = tool if isinstance(tool, tuple) else (tool, None)
+            if policy is not None and len(args.policy) > 1:
+                tool = f"leantune {policy}"
             row = dict(shape=shape, lora=targets, tool=tool)
             if time.perf_counter() > deadline:
                 row["skipped"] = "skipped: --stop-after reached"
@@ -275,9 +281,9 @@ def bench_e2e(shape, args, device, deadline: float) -> list[dict]:
                 rows.append(row)
                 continue
             try:
-                if tool == "leantune":
-                    t, peak, how, loss = bench_leantune(shape, batch, targets, args.policy,
-                                                  args.warmup, args.steps, device)
+                if policy is not None:
+                    t, peak, how, loss = bench_leantune(shape, batch, targets, policy,
+                                                        args.warmup, args.steps, device)
                 else:
                     t, peak, how, loss = bench_transformers(shape, batch, targets, args.warmup,
                                                       args.steps, device)
@@ -287,8 +293,8 @@ def bench_e2e(shape, args, device, deadline: float) -> list[dict]:
                 first = (str(e).strip().splitlines() or [""])[0]
                 row.update(error=f"{type(e).__name__}: {first[:160]}")
             reset_peak(device)  # (after the except block: the traceback is gone, memory freed)
-            if tool == "leantune" and len(tok_s) == 2:
-                row["ratio"] = tok_s["leantune"] / tok_s["transformers+peft"]
+            if policy is not None and tool in tok_s and "transformers+peft" in tok_s:
+                row["ratio"] = tok_s[tool] / tok_s["transformers+peft"]
             record("moe_e2e", **row)
             rows.append(row)
     return rows
@@ -352,7 +358,9 @@ def main():
                     default=["qwen3-30b-a3b", "gpt-oss-20b", "mixtral-8x7b-8l"])
     ap.add_argument("--experts-row", action="store_true",
                     help="also time LoRA on attention + the experts")
-    ap.add_argument("--policy", default="auto", help="leantune activations (as bench/speed.py)")
+    ap.add_argument("--policy", nargs="+", default=["auto"],
+                    help="leantune activations (as bench/speed.py), one run each; "
+                         "+nofused: the layers under autograd")
     ap.add_argument("--rows", type=int, default=4)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--warmup", type=int, default=2)

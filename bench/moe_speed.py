@@ -223,8 +223,22 @@ def bench_leantune(shape, batch, targets, policy, warmup, steps, device):
         losses.append(trainer.train_step([on_device])[0])  # (the mean loss, as it returns it)
 
     reset_peak(device)
-    times = step_times(step, warmup, steps, device)
+    try:
+        times = step_times(step, warmup, steps, device)
+    except BaseException:
+        free_tensors(trainer.model)
+        raise
     return median(times), peak_gib(device), trainer.activation_policy, losses[0].item()
+
+
+def free_tensors(model) -> None:
+    """Empty every parameter and buffer of `model` in place (on a failed run: an exception
+    raised in backward on CUDA can keep the run's frames, and so the model, referenced)."""
+    for t in [*model.parameters(), *model.buffers()]:
+        t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+    for m in model.modules():
+        if getattr(m, "executor", None) is not None:
+            m.executor = None
 
 
 def bench_transformers(shape, batch, targets, warmup, steps, device):
@@ -250,7 +264,11 @@ def bench_transformers(shape, batch, targets, warmup, steps, device):
         opt.zero_grad(set_to_none=True)
 
     reset_peak(device)
-    times = step_times(step, warmup, steps, device)
+    try:
+        times = step_times(step, warmup, steps, device)
+    except BaseException:
+        free_tensors(pm)
+        raise
     c = pm.config
     return (median(times), peak_gib(device),
             f"{c._attn_implementation} / {getattr(c, '_experts_implementation', '?')}",

@@ -46,9 +46,6 @@ from .executor import Kept, Keep, _LayerRun
 from .projections import ProjectionGroup
 from .weights import layer_groups
 
-# whether this build's grouped GEMM takes out_dtype (F.grouped_mm does; torch._grouped_mm no)
-_OUT_DTYPE = _GROUPED_MM is not None and _GROUPED_MM.__name__ == "grouped_mm"
-
 
 def moe_unsupported(layer) -> str | None:
     """Why the fused MoE layer can't run `layer` (None if it can)."""
@@ -213,10 +210,9 @@ def grouped_outer(u: torch.Tensor, v: torch.Tensor, g: Grouping) -> torch.Tensor
     E = g.counts.shape[0]
     if (_GROUPED_MM is not None and u.is_cuda and u.dtype == v.dtype == torch.bfloat16
             and u.shape[1] % 8 == 0 and v.shape[1] % 8 == 0):  # 16-byte rows
-        ut = u.t().contiguous()  # [p, M]: the groups split its columns
-        if _OUT_DTYPE:
-            return _GROUPED_MM(ut, v, offs=g.ends, out_dtype=torch.float32)
-        return _GROUPED_MM(ut, v, offs=g.ends).float()
+        # [p, M]: the groups split its columns. bf16 out (fp32 accumulation inside): torch
+        # 2.11's kernel refuses an fp32 out_dtype for bf16 inputs
+        return _GROUPED_MM(u.t().contiguous(), v, offs=g.ends).float()
     out = u.new_zeros(E, u.shape[1], v.shape[1], dtype=torch.float32)
     start = 0
     for e, n in enumerate(g.host_counts):

@@ -281,7 +281,8 @@ def bench_e2e(shape, args, device, deadline: float) -> list[dict]:
     cfg = ModelConfig.from_dict(hf_config(shape).to_dict())
     batch = random_batch(cfg.vocab_size, args.rows, args.seq)
     tokens = args.rows * args.seq
-    lora_rows = [ATTENTION] + ([ATTENTION + ",experts"] if args.experts_row else [])
+    lora_rows = ([] if args.experts_only else [ATTENTION]) + (
+        [ATTENTION + ",experts"] if args.experts_row or args.experts_only else [])
     rows = []
     for targets in lora_rows:
         tok_s = {}
@@ -376,6 +377,8 @@ def main():
                     default=["qwen3-30b-a3b", "gpt-oss-20b", "mixtral-8x7b-8l"])
     ap.add_argument("--experts-row", action="store_true",
                     help="also time LoRA on attention + the experts")
+    ap.add_argument("--experts-only", action="store_true",
+                    help="only the row with LoRA on the experts too")
     ap.add_argument("--policy", nargs="+", default=["auto"],
                     help="leantune activations (as bench/speed.py), one run each; "
                          "+nofused: the layers under autograd")

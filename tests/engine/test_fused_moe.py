@@ -84,6 +84,19 @@ def test_grouped_outer_equals_per_expert_products():
         torch.testing.assert_close(out[e], u[rows].t() @ v[rows])
     assert out[3].abs().max() == 0 and out[5].abs().max() == 0
 
+    def kernel(a, b, offs):
+        """torch's 2-D x 2-D grouped GEMM as the CUDA kernel computes it, with its rule: every
+        group starts at a multiple of 8 rows (16 bytes of bf16)."""
+        out, start = [], 0
+        for end in offs.tolist():
+            assert start % 8 == 0
+            out.append(a[:, start:end] @ b[start:end])
+            start = end
+        return torch.stack(out)
+
+    padded = grouped_outer(u, v, grouping, kernel=kernel)
+    torch.testing.assert_close(padded, out)
+
 
 def test_what_falls_back():
     model = model_for(CONFIGS["qwen3_moe_norm"], targets=["q_proj"])

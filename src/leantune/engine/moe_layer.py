@@ -203,16 +203,23 @@ class MoELayerRun(_LayerRun):
         return act.detach(), dgu
 
 
-def grouped_outer(u: torch.Tensor, v: torch.Tensor, g: Grouping) -> torch.Tensor:
+def grouped_outer(u: torch.Tensor, v: torch.Tensor, g: Grouping, kernel=None) -> torch.Tensor:
     """Per expert group e, u_e^T v_e: u [M, p], v [M, q] (rows in expert order) -> [E, p, q]
-    fp32, zeros for an empty group (the weight gradient of a grouped matmul). One 2-D grouped
-    GEMM on CUDA in bf16; a loop over the groups elsewhere."""
+    fp32, zeros for an empty group (the weight gradient of a grouped matmul).
+
+    On CUDA in bf16: one 2-D grouped GEMM (`kernel`, default torch's), whose groups split the
+    contraction dimension and must start at 16-byte boundaries: the rows are first copied into
+    groups padded with zero rows to multiples of 8 (on the device, no host sync). Elsewhere a
+    loop over the groups."""
     E = g.counts.shape[0]
-    if (_GROUPED_MM is not None and u.is_cuda and u.dtype == v.dtype == torch.bfloat16
-            and u.shape[1] % 8 == 0 and v.shape[1] % 8 == 0):  # 16-byte rows
-        # [p, M]: the groups split its columns. bf16 out (fp32 accumulation inside): torch
-        # 2.11's kernel refuses an fp32 out_dtype for bf16 inputs
-        return _GROUPED_MM(u.t().contiguous(), v, offs=g.ends).float()
+    if kernel is None and (_GROUPED_MM is not None and u.is_cuda
+                           and u.dtype == v.dtype == torch.bfloat16
+                           and u.shape[1] % 8 == 0 and v.shape[1] % 8 == 0):  # 16-byte rows
+        kernel = _GROUPED_MM
+    if kernel is not None:
+        up, vp, ends = pad_groups(u, v, g, align=8)
+        # bf16 out (fp32 accumulation inside): torch 2.11 refuses an fp32 out for bf16 inputs
+        return kernel(up.t().contiguous(), vp, offs=ends).float()
     out = u.new_zeros(E, u.shape[1], v.shape[1], dtype=torch.float32)
     start = 0
     for e, n in enumerate(g.host_counts):
@@ -220,3 +227,19 @@ def grouped_outer(u: torch.Tensor, v: torch.Tensor, g: Grouping) -> torch.Tensor
             out[e] = u[start:start + n].t().float() @ v[start:start + n].float()
             start += n
     return out
+
+
+def pad_groups(u: torch.Tensor, v: torch.Tensor, g: Grouping, align: int):
+    """u [M, p], v [M, q] in expert order -> (u', v' [R, p|q], ends [E] int32): each group
+    padded with zero rows to a multiple of `align` rows; R = M + align * E rounded up to
+    `align` (room for the worst case; rows past ends[-1] are zeros)."""
+    M, E = u.shape[0], g.counts.shape[0]
+    padded = (g.counts + align - 1) // align * align
+    ends = torch.cumsum(padded, 0)
+    starts = g.ends.long() - g.counts  # each group's first row, unpadded
+    pos = (torch.arange(M, device=u.device) - starts.index_select(0, g.experts)
+           + (ends - padded).index_select(0, g.experts))
+    rows = -(-(M + align * E) // align) * align
+    up = u.new_zeros(rows, u.shape[1]).index_copy_(0, pos, u)
+    vp = v.new_zeros(rows, v.shape[1]).index_copy_(0, pos, v)
+    return up, vp, ends.to(torch.int32)

@@ -68,36 +68,6 @@ def test_lora_on_experts(family):
     check(model, [LayerPlan(0), LayerPlan(2, offload=True), LayerPlan(1)])
 
 
-def test_grouped_outer_equals_per_expert_products():
-    from leantune.engine.moe_layer import grouped_outer
-    from leantune.model.moe import Grouping
-
-    g = torch.Generator().manual_seed(0)
-    idx = torch.randint(0, 5, (9, 2), generator=g)
-    idx[:, 1] = (idx[:, 0] + 1) % 5
-    idx[idx == 3] = 4  # expert 3 gets no rows
-    grouping = Grouping.build(idx, 6)
-    u, v = torch.randn(18, 3, generator=g), torch.randn(18, 7, generator=g)
-    out = grouped_outer(u, v, grouping)
-    for e in range(6):
-        rows = grouping.experts == e
-        torch.testing.assert_close(out[e], u[rows].t() @ v[rows])
-    assert out[3].abs().max() == 0 and out[5].abs().max() == 0
-
-    def kernel(a, b, offs):
-        """torch's 2-D x 2-D grouped GEMM as the CUDA kernel computes it, with its rule: every
-        group starts at a multiple of 8 rows (16 bytes of bf16)."""
-        out, start = [], 0
-        for end in offs.tolist():
-            assert start % 8 == 0
-            out.append(a[:, start:end] @ b[start:end])
-            start = end
-        return torch.stack(out)
-
-    padded = grouped_outer(u, v, grouping, kernel=kernel)
-    torch.testing.assert_close(padded, out)
-
-
 def test_what_falls_back():
     model = model_for(CONFIGS["qwen3_moe_norm"], targets=["q_proj"])
     model.layers[0].mlp.record_router_stats = True

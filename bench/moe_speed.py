@@ -288,7 +288,8 @@ def bench_e2e(shape, args, device, deadline: float) -> list[dict]:
         tok_s = {}
         # one leantune run per policy ("auto+nofused": the MoE layers under autograd instead of
         # the fused layer, the switch's benchmark)
-        tools = ["transformers+peft"] + [("leantune", p) for p in args.policy]
+        tools = ([] if args.no_baseline else ["transformers+peft"]) + [
+            ("leantune", p) for p in args.policy]
         for tool in tools:
             tool, policy = tool if isinstance(tool, tuple) else (tool, None)
             if policy is not None and len(args.policy) > 1:
@@ -377,6 +378,7 @@ def main():
                     default=["qwen3-30b-a3b", "gpt-oss-20b", "mixtral-8x7b-8l"])
     ap.add_argument("--experts-row", action="store_true",
                     help="also time LoRA on attention + the experts")
+    ap.add_argument("--no-baseline", action="store_true", help="leantune's runs only")
     ap.add_argument("--experts-only", action="store_true",
                     help="only the row with LoRA on the experts too")
     ap.add_argument("--policy", nargs="+", default=["auto"],

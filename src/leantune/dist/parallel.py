@@ -42,7 +42,7 @@ def one_gpu_bytes(cfg, model_config, dtype: torch.dtype,
     """(GPU bytes a run needs on one GPU: weights, the trainables' fp32 gradient and two AdamW
     moments, the leanest activation plan; of which the weights), from shapes alone (the model
     is built on the meta device)."""
-    from ..engine import Engine, lora_ranks
+    from ..engine import Engine, has_expert_lora, lora_ranks
     from ..engine.planner import Workload, least_plan_bytes
     from ..lora import LoRAConfig, apply_lora
     from ..model.loader import build_empty
@@ -58,7 +58,7 @@ def one_gpu_bytes(cfg, model_config, dtype: torch.dtype,
     autograd = cfg.compile or Engine(options).fused_unsupported(m) is not None
     work = Workload(model_config, cfg.batch_size * cfg.max_seq_len,
                     torch.finfo(dtype).bits // 8, lora_ranks=lora_ranks(m.layers[0]),
-                    autograd=autograd, options=options)
+                    autograd=autograd, options=options, expert_lora=has_expert_lora(m))
     weights = sum(p.numel() * p.element_size() for p in m.parameters())
     state = sum(12 * p.numel() for p in m.parameters() if p.requires_grad)
     return weights + state + least_plan_bytes(work, host_bytes), weights

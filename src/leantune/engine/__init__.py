@@ -17,7 +17,7 @@ from __future__ import annotations
 from .activation_store import ActivationStore
 from .attention import AttentionBackend
 from .executor import (CheckpointExecutor, FusedExecutor, Keep, LayerPlan, fused_unsupported,
-                       lora_ranks)
+                       has_expert_lora, lora_ranks)
 from .options import EngineOptions
 from .weights import DenseWeights, pack_layer
 
@@ -98,4 +98,4 @@ def compile_layers(model, **kwargs) -> None:
 
 __all__ = ["ActivationStore", "AttentionBackend", "CheckpointExecutor", "DenseWeights", "Engine",
            "EngineOptions", "FusedExecutor", "Keep", "LayerPlan", "attach", "compile_layers",
-           "detach", "fused_unsupported", "lora_ranks"]
+           "detach", "fused_unsupported", "has_expert_lora", "lora_ranks"]

@@ -156,6 +156,12 @@ def lora_params(layer) -> list[torch.nn.Parameter]:
     return [p for p in out if p.requires_grad]
 
 
+def has_expert_lora(model) -> bool:
+    """Whether any MoE layer of `model` carries LoRA on its experts."""
+    return any(getattr(getattr(layer.mlp, "experts", None), "has_lora", False)
+               for layer in model.layers)
+
+
 def lora_ranks(layer) -> int:
     """LoRA columns of the layer's packed groups (q/k/v, gate/up, down; a MoE layer: q/k/v)
     together."""
@@ -195,17 +201,18 @@ class FusedExecutor:
 
     @staticmethod
     def mlp_chunk_bytes(cfg, tokens: int, options: EngineOptions, itemsize: int = 2,
-                        forward: bool = False) -> int:
+                        forward: bool = False, expert_lora: bool = False) -> int:
         """The MLP row chunk's working bytes: in backward gate | up and the down projection's
         input gradient, in forward gate | up and the down projection's input (chunks
         mlp_forward_chunk_factor times larger). A MoE layer's block runs whole: its working set
-        (engine/moe_layer.py), or a dense layer's chunk where larger."""
+        (engine/moe_layer.py; `expert_lora`: with LoRA on the experts), or a dense layer's
+        chunk where larger."""
         if cfg.moe is not None:
             from .moe_layer import moe_working_bytes
 
             dense = FusedExecutor.mlp_chunk_bytes(replace(cfg, moe=None), tokens, options,
                                                   itemsize, forward) if cfg.moe.dense_layers else 0
-            return max(dense, moe_working_bytes(cfg, tokens, itemsize))
+            return max(dense, moe_working_bytes(cfg, tokens, itemsize, expert_lora))
         one = tokens * cfg.intermediate_size * itemsize  # one [tokens, intermediate] tensor
         limit = options.mlp_chunk_bytes * (options.mlp_forward_chunk_factor if forward else 1)
         return 3 * min(one, int(limit))

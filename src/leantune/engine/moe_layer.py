@@ -80,14 +80,19 @@ def moe_forward_flops(cfg, tokens: int) -> float:
                            + 3 * h * spec.top_k * spec.intermediate_size)
 
 
-def moe_working_bytes(cfg, tokens: int, itemsize: int = 2) -> int:
-    """The MoE block's largest transient set (backward): the routed rows' dy and dxs [M, H],
-    gu [M, 2I], G and act(gu) [M, I], and the router's fp32 probabilities and their gradient
-    [N, E] (x3)."""
-    spec = cfg.moe
-    M = tokens * spec.top_k
-    return (itemsize * M * (2 * cfg.hidden_size + 4 * spec.intermediate_size)
-            + 12 * tokens * spec.num_experts)
+def moe_working_bytes(cfg, tokens: int, itemsize: int = 2, expert_lora: bool = False) -> int:
+    """The MoE block's largest transient set, M = tokens * k routed rows. Forward: gu [M, 2I],
+    y, y times its weights and that in token order [M, H] each. Backward: gu [M, 2I] (again,
+    where not kept: the planner takes kept gate/up off), then dy, act(gu), d act ([M, H],
+    [M, I], [M, I]) or dxs and its token-order copy [M, H] each plus d xn [N, H]. Expert LoRA
+    adds xs [M, H] held through backward, its term and dy times the weights [M, H] each, and
+    its input gradient [M, I]. The router's fp32 probabilities and gradients: [N, E] x3."""
+    spec, H = cfg.moe, cfg.hidden_size
+    M, I = tokens * spec.top_k, spec.intermediate_size
+    forward = M * (2 * I + 3 * H)
+    backward = M * 2 * I + max(M * (H + 2 * I), 2 * M * H + tokens * H)
+    lora = M * (3 * H + I) if expert_lora else 0
+    return itemsize * (max(forward, backward) + lora) + 12 * tokens * spec.num_experts
 
 
 class MoELayerRun(_LayerRun):
@@ -136,21 +141,23 @@ class MoELayerRun(_LayerRun):
         xs = xn.index_select(0, g.tokens) if gu is None or lora else None  # [M, H]
         if gu is None:
             gu = experts.project("gate_up_proj", xs, g)
+        if not lora:  # (expert LoRA's backward reads xs again)
+            xs = None
         del xn
         w = weights.detach().reshape(-1).index_select(0, g.order)[:, None]  # [M, 1] fp32
         dy = dout.index_select(0, g.tokens)  # [M, H]: each routed row's output gradient
         act = experts.activate(gu)  # [M, I]: the down projection's input
         da = grouped_matmul(dy, experts.weight_in_out("down_proj").transpose(1, 2), g)  # [M, I]
         # d of each row's routing weight: dy . y, y = act W_down (+ bias, + LoRA's s act A^T B^T)
-        d_w = (da.float() * act.float()).sum(-1)
+        d_w = rowdot(da, act)
         bias = experts.down_proj_bias
         if bias is not None:
-            d_w += (dy.float() * bias.index_select(0, g.experts).float()).sum(-1)
+            d_w += rowdot(dy, bias.index_select(0, g.experts))
         da.mul_(w.to(da.dtype))  # the routing weight scales y: now d act
         if lora:
             y_lora, da_lora = self._lora_backward("down_proj", act, dy * w.to(dy.dtype), g,
                                                   grads)
-            d_w += (dy.float() * y_lora.float()).sum(-1)
+            d_w += rowdot(dy, y_lora)
             da += da_lora
             del y_lora, da_lora
         del dy, act
@@ -197,3 +204,9 @@ class MoELayerRun(_LayerRun):
             leaf = gu.detach().requires_grad_()
             (dgu,) = torch.autograd.grad(experts.activate(leaf), leaf, da)
         return dgu
+
+
+def rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Row-wise dot products of a, b [M, n] -> [M] fp32, as M tiny matmuls (fp32 accumulation,
+    no [M, n] fp32 temporaries)."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1).float()

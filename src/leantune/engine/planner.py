@@ -73,8 +73,8 @@ MIN_LOSS_CHUNK_BYTES = 32 << 20
 @dataclass(frozen=True)
 class Workload:
     """What a step runs: the model's config, tokens per micro-batch, bytes per activation value,
-    the LoRA columns a layer carries (engine/executor.lora_ranks), the path (fused or autograd)
-    and the engine options."""
+    the LoRA columns a layer carries (engine/executor.lora_ranks), the path (fused or autograd),
+    the engine options, and whether a MoE model's experts carry LoRA."""
 
     cfg: object
     tokens: int
@@ -82,6 +82,7 @@ class Workload:
     lora_ranks: int = 0
     autograd: bool = False
     options: EngineOptions = field(default_factory=EngineOptions)
+    expert_lora: bool = False  # MoE: LoRA on the experts (a larger working set)
 
 
 class BudgetTooSmall(Exception):
@@ -124,7 +125,8 @@ def offload_capacity(w: Workload, keep: Keep = Keep.ATTENTION) -> int:
 
 
 def mlp_chunk_bytes(w: Workload, forward: bool = False) -> int:
-    return FusedExecutor.mlp_chunk_bytes(w.cfg, w.tokens, w.options, w.itemsize, forward)
+    return FusedExecutor.mlp_chunk_bytes(w.cfg, w.tokens, w.options, w.itemsize, forward,
+                                         w.expert_lora)
 
 
 def working_set_bytes(w: Workload) -> float:

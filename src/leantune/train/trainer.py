@@ -178,7 +178,7 @@ class Trainer:
         """Trainable parameters (LoRA adapters, or everything with --full), then how the layers
         run: the engine's executors with a plan per layer for the memory budget."""
         from .. import kernels
-        from ..engine import Engine, compile_layers, lora_ranks
+        from ..engine import Engine, compile_layers, has_expert_lora, lora_ranks
         from ..engine.planner import (BudgetTooSmall, Workload, describe, gpu_budget_bytes,
                                       plan_memory, policy_plans)
 
@@ -222,7 +222,7 @@ class Trainer:
         itemsize = torch.finfo(self.dtype).bits // 8
         work = Workload(m.config, cfg.batch_size * cfg.max_seq_len, itemsize,
                         lora_ranks=lora_ranks(m.layers[0]), autograd=autograd_why is not None,
-                        options=options)
+                        options=options, expert_lora=has_expert_lora(m))
         policy = cfg.activations
         if policy == "auto" and cuda:
             fixed = self._fixed_bytes()

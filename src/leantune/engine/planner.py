@@ -185,6 +185,11 @@ def plan_peak_bytes(w: Workload, plans: list[LayerPlan],
     one = w.tokens * w.cfg.intermediate_size * w.itemsize
     rest = ws - mlp_chunk_bytes(w)
     mlp_fwd, mlp_bwd = mlp_chunk_bytes(w, forward=True), mlp_chunk_bytes(w)
+    whole_fwd, whole_bwd = 3 * one, one
+    if w.cfg.moe is not None:  # a MoE block runs whole at every level; kept whole, its gate/up
+        # counts in its own state in backward
+        whole_fwd = max(whole_fwd, mlp_fwd)
+        whole_bwd = max(whole_bwd, mlp_bwd - (kept_bytes(w, Keep.ALL) - k1))
 
     def in_flight(i):  # offloaded layers' copies that may still be under way at layer i
         return sum(kept[j] for j in range(max(0, i - IN_FLIGHT_LAYERS), i) if plans[j].offload)
@@ -192,10 +197,10 @@ def plan_peak_bytes(w: Workload, plans: list[LayerPlan],
     peak, below = 0.0, 0
     for i, p in enumerate(plans):
         whole = p.keep == Keep.ALL
-        forward = below + in_flight(i) + rest + (3 * one if whole else mlp_fwd)
+        forward = below + in_flight(i) + rest + (whole_fwd if whole else mlp_fwd)
         prefetch = kept[i - 1] if i > 0 and plans[i - 1].offload else 0
         own = max(kept[i], k1)  # a layer that kept only its input rebuilds its attention state
-        backward = below + own + prefetch + rest + (one if whole else mlp_bwd)
+        backward = below + own + prefetch + rest + (whole_bwd if whole else mlp_bwd)
         peak = max(peak, forward, backward)
         below += gpu[i]
     loss = below + in_flight(len(plans)) + loss_working_bytes(w, loss_chunk_bytes)

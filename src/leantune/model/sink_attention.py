@@ -13,7 +13,7 @@ its D = rowsum(g * o')), and db = -sum over tokens of exp(b - L') * rowsum(g * o
 
 The attention under it: flash attention's varlen ops on CUDA in half precision (flash.py);
 elsewhere a math reference over the packed documents (`math_forward` / `math_backward`, fp32,
-the scores of all B*T tokens at once: CPU, fp32 and tests), which is the same algebra as flash's
+one row's [Hq, T, T] scores at a time: CPU, fp32 and tests), which is the same algebra as flash's
 backward, so the CPU tests exercise the sink path the GPU takes. Between forward and backward
 only L' [Hq, B*T] fp32 (and flash's rng state) is kept besides the inputs and the output.
 
@@ -58,7 +58,8 @@ def _repeated(t: torch.Tensor, Hq: int) -> torch.Tensor:
 
 def _masked_scores(q, k, cu_seqlens, window, scale):
     """-> (scaled scores [Hq, N, N] fp32, -inf where a query may not see a key: another
-    document, a later token or outside the window; q [N, Hq, D] fp32; `_repeated` k), N = B*T."""
+    document, a later token or outside the window; q [N, Hq, D] fp32; `_repeated` k) for the
+    N = B*T tokens of q, k, whose documents cu_seqlens delimits (the math path: one row)."""
     B, T, Hq, D = q.shape
     qf, kf = q.reshape(B * T, Hq, D).float(), _repeated(k, Hq)
     i = torch.arange(B * T, device=q.device)
@@ -70,30 +71,48 @@ def _masked_scores(q, k, cu_seqlens, window, scale):
     return scores.masked_fill(~see, float("-inf")), qf, kf
 
 
+def _row_offsets(cu_seqlens: torch.Tensor, b: int, T: int) -> torch.Tensor:
+    """The document offsets within row b of T tokens (documents never cross rows)."""
+    cu = cu_seqlens.long()
+    inside = cu[(cu >= b * T) & (cu <= (b + 1) * T)] - b * T
+    return torch.unique(torch.cat([inside, inside.new_tensor([0, T])]))
+
+
 def math_forward(q, k, v, cu_seqlens, window, scale) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain attention within the packed documents in fp32 -> (out [B, T, Hq, D] in q's dtype,
-    lse [Hq, B*T] fp32), the values flash attention's forward returns."""
-    Hq = q.shape[2]
-    scores, _, _ = _masked_scores(q, k, cu_seqlens, window, scale)
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse[..., None])
-    out = torch.einsum("hqk,khd->qhd", probs, _repeated(v, Hq))
-    return out.reshape(q.shape).to(q.dtype), lse
+    lse [Hq, B*T] fp32), the values flash attention's forward returns. One row at a time, so
+    its scores are [Hq, T, T] (as the mask path's), not over all B*T tokens."""
+    B, T, Hq, _ = q.shape
+    outs, lses = [], []
+    for b in range(B):
+        r = slice(b, b + 1)
+        scores, _, _ = _masked_scores(q[r], k[r], _row_offsets(cu_seqlens, b, T), window, scale)
+        lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - lse[..., None])
+        outs.append(torch.einsum("hqk,khd->qhd", probs, _repeated(v[r], Hq)))
+        lses.append(lse)
+    return torch.cat(outs).reshape(q.shape).to(q.dtype), torch.cat(lses, dim=1)
 
 
 def math_backward(dout, q, k, v, out, lse, cu_seqlens, window, scale):
     """(dq, dk, dv) as flash attention's backward computes them from forward's out and lse
-    (P = exp(S - lse), dS = P * (dout . v - rowsum(dout * out))), in fp32."""
+    (P = exp(S - lse), dS = P * (dout . v - rowsum(dout * out))), in fp32, one row at a time."""
     B, T, Hq, D = q.shape
     Hk = k.shape[2]
-    scores, qf, kf = _masked_scores(q, k, cu_seqlens, window, scale)
-    probs = torch.exp(scores - lse[..., None])
-    g = dout.reshape(B * T, Hq, D).float()
-    dv = torch.einsum("hqk,qhd->khd", probs, g)
-    dp = torch.einsum("qhd,khd->hqk", g, _repeated(v, Hq))
-    ds = probs * (dp - _row_dot(dout, out)[..., None])
-    dq = torch.einsum("hqk,khd->qhd", ds, kf) * scale
-    dk = torch.einsum("hqk,qhd->khd", ds, qf) * scale
+    grads = []
+    for b in range(B):
+        r, cols = slice(b, b + 1), slice(b * T, (b + 1) * T)
+        scores, qf, kf = _masked_scores(q[r], k[r], _row_offsets(cu_seqlens, b, T), window,
+                                        scale)
+        probs = torch.exp(scores - lse[:, cols, None])
+        g = dout[r].reshape(T, Hq, D).float()
+        dv = torch.einsum("hqk,qhd->khd", probs, g)
+        dp = torch.einsum("qhd,khd->hqk", g, _repeated(v[r], Hq))
+        ds = probs * (dp - _row_dot(dout[r], out[r])[..., None])
+        dq = torch.einsum("hqk,khd->qhd", ds, kf) * scale
+        dk = torch.einsum("hqk,qhd->khd", ds, qf) * scale
+        grads.append((dq, dk, dv))
+    dq, dk, dv = (torch.cat(t) for t in zip(*grads))
     dk, dv = (t.view(B, T, Hk, Hq // Hk, D).sum(3) for t in (dk, dv))  # onto their k/v head
     return dq.view(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 

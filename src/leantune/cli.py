@@ -310,6 +310,14 @@ def _generation_flags(p, stop: bool = True) -> None:
 
 
 def cmd_export(args) -> int:
+    if not args.model:
+        if not args.adapter:
+            raise LeantuneError("export: give --model (the base checkpoint) and --adapter (the "
+                                "fine-tune to merge into it)")
+        from .generate.load import adapter_base
+
+        args.model = adapter_base(Path(args.adapter))
+        print(f"export: the base model is {args.model} (named by --adapter; --model overrides)")
     if args.format == "merged":
         from .export import export_merged
 
@@ -390,7 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
                            metavar="{train,export,generate,chat,plot,inspect-data,doctor}")
     _train_parser(sub)
     e = sub.add_parser("export", help="merge a LoRA adapter into its base: HF safetensors or GGUF")
-    e.add_argument("--model", required=True, help="base checkpoint folder or hub id")
+    e.add_argument("--model", help="base checkpoint folder or hub id (default: the base named "
+                                    "by --adapter)")
     e.add_argument("--adapter",
                    help="adapter folder written by `leantune train` (or PEFT), a run folder "
                         "(its latest checkpoint when the run has no final adapter), or one "

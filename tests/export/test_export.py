@@ -352,3 +352,22 @@ def test_cli_export_errors_are_one_line(trained, tmp_path, capsys):
                    str(out), "--overwrite"])
         err = capsys.readouterr().err
         assert rc == 2 and len(err.strip().splitlines()) == 1 and expect in err, err
+
+
+def test_cli_export_takes_the_base_from_the_adapter(trained, tmp_path, capsys):
+    """Without --model, export merges onto the base the adapter names (as chat does); without
+    either, one line."""
+    from leantune.cli import main
+
+    base, adapter, _ = trained
+    rc = main(["export", "--adapter", str(adapter), "--output", str(tmp_path / "a")])
+    out = capsys.readouterr().out
+    assert rc == 0 and "the base model is" in out
+    rc = main(["export", "--model", str(base), "--adapter", str(adapter), "--output",
+               str(tmp_path / "b")])
+    assert rc == 0
+    a, b = _tensors_of(tmp_path / "a"), _tensors_of(tmp_path / "b")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    rc = main(["export", "--output", str(tmp_path / "c")])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "give --model" in err

@@ -5,6 +5,8 @@
 # Each part runs in its own process with a time limit, so one failure does not stop the rest;
 # the tables come last. Usage: bash bench/run_gpu.sh [parts...]   (default: checks speed loss)
 #   parts: checks kernels speed speed-llama speed-qwen3 memory loss loss-fp32
+#          moe (MoE checks, routing, end to end vs transformers + PEFT), moe-budget,
+#          qlora (8B with the bitsandbytes baseline: carry its wheel), dist (torchrun, 1 GPU)
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-bench-out}; export OUT; mkdir -p "$OUT"
@@ -31,6 +33,19 @@ for p in $parts; do
                --noise-floor ${LOSS_ARGS:-} 2>&1 | tee -a "$OUT/log.txt" | grep -E "^\{" | cut -c1-300 ;;
     loss-fp32) timeout 240 python bench/loss_curve.py --shape ${LOSS_FP32_SHAPES:-llama-3.2-1b} \
                --dtype float32 --steps 30 --lr 1e-3 2>&1 | tee -a "$OUT/log.txt" | grep -E "^\{" | cut -c1-300 ;;
+    moe)     timeout 100 python bench/gpu_checks.py --moe 2>&1 | tee -a "$OUT/log.txt" | tail -n 16
+             timeout 420 python bench/moe_speed.py --parts routing e2e --experts-row \
+               --shapes qwen3-30b-a3b gpt-oss-20b mixtral-8x7b-8l --policy auto auto+nofused \
+               --stop-after 360 2>&1 | tee -a "$OUT/log.txt" | grep -v "^{" | tail -n 40 ;;
+    moe-budget) timeout 200 python bench/moe_speed.py --parts e2e --no-baseline \
+               --shapes qwen3-30b-a3b --policy auto@72 auto@66 auto@60 2>&1 \
+               | tee -a "$OUT/log.txt" | grep -v "^{" | tail -n 6 ;;
+    qlora)   timeout 400 python bench/qlora_speed.py --shape llama-3.1-8b 2>&1 \
+               | tee -a "$OUT/log.txt" | grep -E "^\{" | cut -c1-300
+             timeout 170 python bench/qlora_speed.py --shape llama-3.1-70b --steps 3 --warmup 1 \
+               2>&1 | tee -a "$OUT/log.txt" | grep -E "^\{" | cut -c1-300 ;;
+    dist)    timeout 170 torchrun --nproc_per_node 1 bench/dist_speed.py --shape llama-3.1-8b \
+               --policy auto@17 2>&1 | tee -a "$OUT/log.txt" | grep -v "^{" | tail -n 6 ;;
   esac
 done
 python bench/report.py "$OUT"

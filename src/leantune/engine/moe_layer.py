@@ -19,7 +19,9 @@ Per layer, with N tokens, k experts per token, M = N k routed rows, H hidden, I 
               d gu = act'(gu) (weights G); dxs = d gu @ W_gate_up[e]^T   [M, H]
               d xn = sum_k dxs (token order) + the router's part; d h_mid by norm2's backward
 
-y itself is never kept nor recomputed: d weights needs only G and act(gu), which backward has.
+The expert weights come from the engine's weight provider (`DenseWeights.experts`: the seam
+where 4-bit experts would be dequantised, as 4-bit projections are). y itself is never kept nor
+recomputed: d weights needs only G and act(gu), which backward has.
 What the layer keeps (`moe_kept_bytes_per_token`): its input (INPUT); h_mid, q/k/v, attention output and
 statistics as dense layers (ATTENTION); and gate | up of the routed rows, [M, 2I] (ALL). The
 router's choice is made again in backward from the same inputs, so it is the forward's.
@@ -121,9 +123,9 @@ class MoELayerRun(_LayerRun):
         moe, post = self.layer.mlp, self.layer.post_attention_layernorm
         xn, _ = rms_norm_fwd(h_mid, post.weight, post.eps, post.offset)
         weights, g = self._route(xn)
-        gu = moe.experts.project("gate_up_proj", xn.index_select(0, g.tokens), g)
+        gu = self._project("gate_up_proj", xn.index_select(0, g.tokens), g)
         del xn
-        y = moe.experts.project("down_proj", moe.experts.activate(gu), g)
+        y = self._project("down_proj", moe.experts.activate(gu), g)
         torch.add(h_mid, moe.combine(y, weights, g), out=out)
         return {"gu": gu} if self.in_graph and self.plan.keep >= Keep.ALL else {}
 
@@ -140,14 +142,14 @@ class MoELayerRun(_LayerRun):
         gu, kept.gu = kept.gu, None
         xs = xn.index_select(0, g.tokens) if gu is None or lora else None  # [M, H]
         if gu is None:
-            gu = experts.project("gate_up_proj", xs, g)
+            gu = self._project("gate_up_proj", xs, g)
         if not lora:  # (expert LoRA's backward reads xs again)
             xs = None
         del xn
         w = weights.detach().reshape(-1).index_select(0, g.order)[:, None]  # [M, 1] fp32
         dy = dout.index_select(0, g.tokens)  # [M, H]: each routed row's output gradient
         act = experts.activate(gu)  # [M, I]: the down projection's input
-        da = grouped_matmul(dy, experts.weight_in_out("down_proj").transpose(1, 2), g)  # [M, I]
+        da = grouped_matmul(dy, self._weight("down_proj").transpose(1, 2), g)  # [M, I]
         # d of each row's routing weight: dy . y, y = act W_down (+ bias, + LoRA's s act A^T B^T)
         d_w = rowdot(da, act)
         bias = experts.down_proj_bias
@@ -163,7 +165,7 @@ class MoELayerRun(_LayerRun):
         del dy, act
         dgu = self._activation_backward(da, gu)  # [M, 2I]
         del da, gu
-        dxs = grouped_matmul(dgu, experts.weight_in_out("gate_up_proj").transpose(1, 2), g)
+        dxs = grouped_matmul(dgu, self._weight("gate_up_proj").transpose(1, 2), g)
         if lora:
             dxs += self._lora_backward("gate_up_proj", xs, dgu, g, grads)[1]
         del dgu, xs
@@ -174,6 +176,13 @@ class MoELayerRun(_LayerRun):
         dxn += d_router
         del d_router
         return rms_norm_bwd(dxn, h_mid, post.weight, rstd, post.offset, residual=dout)
+
+    def _weight(self, name: str) -> torch.Tensor:
+        """Expert projection `name`'s base weight [E, in, out], from the weight provider."""
+        return self.ex.weights.experts(self.layer.mlp.experts, name)
+
+    def _project(self, name: str, x: torch.Tensor, g: Grouping) -> torch.Tensor:
+        return self.layer.mlp.experts.project(name, x, g, weight=self._weight(name))
 
     def _lora_backward(self, name: str, x: torch.Tensor, dy: torch.Tensor, g: Grouping,
                        grads: dict) -> tuple[torch.Tensor, torch.Tensor]:

@@ -163,6 +163,12 @@ class DenseWeights:
             packed = None
         return WeightSource(mods, packed)
 
+    def experts(self, experts, name: str) -> torch.Tensor:
+        """The stacked base weight of a MoE layer's expert projection `name` as its grouped
+        GEMMs read it, [E, in, out]: for 16-bit experts a view of the parameter (the seam for
+        4-bit experts: they would be dequantised here, as `source` does for projections)."""
+        return experts.weight_in_out(name)
+
     def packable(self, mods) -> bool:
         """Whether projections `mods` can share a packed weight: packing on, frozen bases of one
         input size, device and compute dtype."""

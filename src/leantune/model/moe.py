@@ -194,9 +194,13 @@ class Experts(nn.Module):
         w = getattr(self, name)
         return w if self.transposed else w.transpose(1, 2)
 
-    def project(self, name: str, x: torch.Tensor, g: Grouping) -> torch.Tensor:
-        """Projection `name` of the grouped rows x [M, in] -> [M, out]: base + bias + LoRA."""
-        y = grouped_matmul(x, self.weight_in_out(name), g)
+    def project(self, name: str, x: torch.Tensor, g: Grouping,
+                weight: torch.Tensor | None = None) -> torch.Tensor:
+        """Projection `name` of the grouped rows x [M, in] -> [M, out]: base + bias + LoRA.
+        `weight`: the base weight [E, in, out] to use (default: this module's; the engine
+        passes its weight provider's)."""
+        w = self.weight_in_out(name) if weight is None else weight
+        y = grouped_matmul(x, w, g)
         bias = getattr(self, name + "_bias")
         if bias is not None:
             y = y + bias.index_select(0, g.experts)

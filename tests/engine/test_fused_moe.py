@@ -68,6 +68,41 @@ def test_lora_on_experts(family):
     check(model, [LayerPlan(0), LayerPlan(2, offload=True), LayerPlan(1)])
 
 
+def _grouped_mm_on_cpu() -> bool:
+    from leantune.model import moe
+
+    if moe._GROUPED_MM is None:
+        return False
+    try:
+        moe._GROUPED_MM(torch.ones(2, 8), torch.ones(1, 8, 8), offs=torch.tensor([2],
+                                                                               dtype=torch.int32))
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _grouped_mm_on_cpu(), reason="this torch has no grouped GEMM on the CPU")
+@pytest.mark.parametrize("family", ["qwen3_moe_norm", "gpt_oss"])
+def test_grouped_gemm_path_with_empty_experts_and_expert_lora(family):
+    """The grouped GEMM path the GPU takes (forced on the CPU), 16 experts over 48 tokens x 2
+    (some get none), LoRA on the experts through the grouped matmuls' autograd."""
+    cfg = dict(CONFIGS[family], **({"num_experts": 16} if "num_experts" in CONFIGS[family]
+                                   else {"num_local_experts": 16}))
+    model = model_for(cfg, targets=["q_proj", "experts"])
+    for layer in model.layers:
+        layer.mlp.grouped_mm = True
+    check(model, [LayerPlan(0), LayerPlan(2), LayerPlan(1, offload=True)])
+
+
+@pytest.mark.parametrize("frozen", ["lora_A", "lora_B"])
+def test_expert_lora_with_a_frozen_half(frozen):
+    model = model_for(CONFIGS["mixtral"], targets=["q_proj", "experts"])
+    for name, p in model.named_parameters():
+        if "experts" in name and frozen in name:
+            p.requires_grad_(False)
+    check(model, [LayerPlan(2), LayerPlan(0), LayerPlan(1)])
+
+
 def test_what_falls_back():
     model = model_for(CONFIGS["qwen3_moe_norm"], targets=["q_proj"])
     model.layers[0].mlp.record_router_stats = True

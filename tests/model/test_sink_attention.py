@@ -165,3 +165,27 @@ def test_flash_sink_attention_matches_the_fp32_reference(window):
     assert got[0].dtype == torch.bfloat16 and got[4].dtype == torch.float32
     for name, a, b in zip(["out", "dq", "dk", "dv", "dsinks"], got, ref):
         assert max_abs(a, b) < 3e-2 * max(1.0, b.abs().max().item()), name
+
+
+def test_frozen_sinks_get_no_gradient_and_the_rest_is_unchanged(monkeypatch):
+    """Frozen sinks (LoRA training): their gradient is not computed; q, k, v's are the same."""
+    from leantune.model import sink_attention as sa
+    from leantune.model.sink_attention import sink_attention_varlen
+
+    calls = []
+    real = sa.sinks_grad
+    monkeypatch.setattr(sa, "sinks_grad", lambda *a: calls.append(1) or real(*a))
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 9, 4, 8, generator=g, requires_grad=True)
+    k = torch.randn(1, 9, 2, 8, generator=g, requires_grad=True)
+    v = torch.randn(1, 9, 2, 8, generator=g, requires_grad=True)
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    grads = []
+    for trainable in (True, False):
+        sinks = torch.randn(4, generator=torch.Generator().manual_seed(6)).requires_grad_(trainable)
+        out = sink_attention_varlen(q, k, v, sinks, cu, 5, None, 0.3)
+        grads.append(torch.autograd.grad(out.square().sum(), [q, k, v]))
+        assert len(calls) == 1  # the trainable sinks' backward only
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)

@@ -8,7 +8,7 @@ EngineOptions.attention == "sdpa") backward re-runs the model's plain attention 
 
 Attention sinks (gpt-oss, `sinks` [Hq]): on the flash path they are added on top of flash's
 log-sum-exp (model/sink_attention.py), the state keeping the sink-inclusive one, and backward
-returns their gradient too; cuDNN is not used for them. Elsewhere the model's attention with
+returns their gradient too (None for frozen sinks: not computed); cuDNN is not used for them. Elsewhere the model's attention with
 sinks runs under autograd as without them.
 
 All tensors are [B, T, H, D] (q: Hq heads, k/v: Hk heads); the metadata is the model's
@@ -157,7 +157,8 @@ class AttentionBackend:
                                    meta.max_seqlen, window, scale)
             if sinks is None:
                 return grads
-            return (*grads, sinks_grad(dout, out, state.lse, sinks.detach()))
+            return (*grads, sinks_grad(dout, out, state.lse, sinks.detach())
+                    if sinks.requires_grad else None)
         out, leaves = _autograd_attention(q, k, v, sinks, meta, window, scale)
         return torch.autograd.grad(out, leaves, dout)
 

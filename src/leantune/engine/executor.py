@@ -100,18 +100,14 @@ class Kept:
     def bytes_per_token(cfg, keep: Keep, itemsize: int = 2, lora_ranks: int = 0) -> int:
         """Bytes per token the fields above hold at `keep` (lora_ranks: the LoRA columns of the
         three packed groups together; the attention statistics count at 4 bytes per q head).
-        MoE models: engine/moe_layer.py."""
-        if cfg.moe is not None:
-            from .moe_layer import moe_kept_bytes_per_token
-
-            return moe_kept_bytes_per_token(cfg, keep, itemsize, lora_ranks)
+        A MoE layer's gate | up are its routed rows' ([M, 2 I], M = k N): 2 mlp_width a token."""
         values = cfg.hidden_size
         extra = 0
         if keep >= Keep.ATTENTION:
             values += cfg.hidden_size + 2 * cfg.q_size + 2 * cfg.kv_size + lora_ranks
             extra = AttentionBackend.state_bytes_per_token(cfg.num_attention_heads)
         if keep >= Keep.ALL:
-            values += 2 * cfg.intermediate_size
+            values += 2 * cfg.mlp_width
         return itemsize * values + extra
 
 

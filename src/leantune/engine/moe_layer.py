@@ -21,10 +21,11 @@ Per layer, with N tokens, k experts per token, M = N k routed rows, H hidden, I 
 
 The expert weights come from the engine's weight provider (`DenseWeights.experts`: the seam
 where 4-bit experts would be dequantised, as 4-bit projections are). y itself is never kept nor
-recomputed: d weights needs only G and act(gu), which backward has.
-What the layer keeps (`moe_kept_bytes_per_token`): its input (INPUT); h_mid, q/k/v, attention output and
-statistics as dense layers (ATTENTION); and gate | up of the routed rows, [M, 2I] (ALL). The
-router's choice is made again in backward from the same inputs, so it is the forward's.
+recomputed (but for expert LoRA's term, which backward runs again): d weights needs only G and
+act(gu), which backward has. What the layer keeps (executor.Kept, per token): its input
+(INPUT); h_mid, q/k/v, attention output and statistics as dense layers (ATTENTION); and gate |
+up of the routed rows, [M, 2I] (ALL: 2 mlp_width values a token). The router's choice is made
+again in backward from the same inputs, so it is the forward's.
 
 LoRA on the experts (A [E, r, in], B [E, out, r] per projection, scale s) adds s (x A_e^T) B_e^T
 to each projection: forward through Experts.project; backward runs that term again under
@@ -47,6 +48,7 @@ from ..kernels.swiglu import glu_bwd_
 from ..model.moe import Grouping, grouped_matmul
 from .executor import Kept, Keep, _LayerRun
 from .projections import ProjectionGroup
+from ..utils.tensors import rowdot
 from .weights import layer_groups
 
 
@@ -60,21 +62,6 @@ def moe_unsupported(layer) -> str | None:
     return None
 
 
-def moe_kept_bytes_per_token(cfg, keep: Keep, itemsize: int = 2, lora_ranks: int = 0) -> int:
-    """Bytes per token a MoE layer keeps at `keep` (module docstring; lora_ranks: the q/k/v
-    group's LoRA columns)."""
-    values = cfg.hidden_size
-    extra = 0
-    if keep >= Keep.ATTENTION:
-        from .attention import AttentionBackend
-
-        values += cfg.hidden_size + 2 * cfg.q_size + 2 * cfg.kv_size + lora_ranks
-        extra = AttentionBackend.state_bytes_per_token(cfg.num_attention_heads)
-    if keep >= Keep.ALL:  # gate | up of the routed rows (of a dense layer's, where wider)
-        values += 2 * cfg.mlp_width
-    return itemsize * values + extra
-
-
 def moe_forward_flops(cfg, tokens: int) -> float:
     """Matmul FLOPs of one MoE layer's forward: projections, router, the k experts' MLPs."""
     spec, h = cfg.moe, cfg.hidden_size
@@ -83,16 +70,20 @@ def moe_forward_flops(cfg, tokens: int) -> float:
 
 
 def moe_working_bytes(cfg, tokens: int, itemsize: int = 2, expert_lora: bool = False) -> int:
-    """The MoE block's largest transient set, M = tokens * k routed rows. Forward: gu [M, 2I],
-    y, y times its weights and that in token order [M, H] each. Backward: gu [M, 2I] (again,
-    where not kept: the planner takes kept gate/up off), then dy, act(gu), d act ([M, H],
-    [M, I], [M, I]) or dxs and its token-order copy [M, H] each plus d xn [N, H]. Expert LoRA
-    adds xs [M, H] held through backward, its term and dy times the weights [M, H] each, and
-    its input gradient [M, I]. The router's fp32 probabilities and gradients: [N, E] x3."""
+    """The MoE block's largest transient set, M = tokens * k routed rows. Forward: gu [M, 2I]
+    with act(gu) [M, I] and y [M, H], then y, y times its weights and that in token order
+    [M, H] each. Backward: xn [N, H] throughout, gu [M, 2I] (again, where not kept: the planner
+    takes kept gate/up off), then dy, act(gu), d act ([M, H], [M, I], [M, I]) or dxs and its
+    token-order copy [M, H] each plus d xn [N, H]. gpt-oss's clamped SwiGLU (elementwise ops
+    under autograd) holds ~4 more [M, I] in forward and ~7 in backward. Expert LoRA adds xs
+    [M, H] held through backward, its term and dy times the weights [M, H] each, and its input
+    gradient [M, I]. The router's fp32 probabilities and gradients: [N, E] x3."""
     spec, H = cfg.moe, cfg.hidden_size
     M, I = tokens * spec.top_k, spec.intermediate_size
-    forward = M * (2 * I + 3 * H)
-    backward = M * 2 * I + max(M * (H + 2 * I), 2 * M * H + tokens * H)
+    clamped = spec.swiglu_limit is not None
+    forward = max(M * (3 * I + H), M * (2 * I + 3 * H)) + (4 * M * I if clamped else 0)
+    backward = (tokens * H + M * 2 * I + max(M * (H + 2 * I) + (7 * M * I if clamped else 0),
+                                             2 * M * H + tokens * H))
     lora = M * (3 * H + I) if expert_lora else 0
     return itemsize * (max(forward, backward) + lora) + 12 * tokens * spec.num_experts
 
@@ -135,8 +126,8 @@ class MoELayerRun(_LayerRun):
         experts, k = moe.experts, moe.spec.top_k
         N, H = dout.shape
         xn, rstd = rms_norm_fwd(h_mid, post.weight, post.eps, post.offset)
-        with torch.enable_grad():  # the router under autograd: its gradient reaches xn
-            xn_leaf = xn.detach().requires_grad_()
+        with torch.enable_grad():  # the router under autograd: its gradient reaches xn (whose
+            xn_leaf = xn.detach().requires_grad_()  # storage the graph holds to the end)
             weights, g = self._route(xn_leaf)
         lora = experts.has_lora
         gu, kept.gu = kept.gu, None
@@ -145,7 +136,6 @@ class MoELayerRun(_LayerRun):
             gu = self._project("gate_up_proj", xs, g)
         if not lora:  # (expert LoRA's backward reads xs again)
             xs = None
-        del xn
         w = weights.detach().reshape(-1).index_select(0, g.order)[:, None]  # [M, 1] fp32
         dy = dout.index_select(0, g.tokens)  # [M, H]: each routed row's output gradient
         act = experts.activate(gu)  # [M, I]: the down projection's input
@@ -153,8 +143,8 @@ class MoELayerRun(_LayerRun):
         # d of each row's routing weight: dy . y, y = act W_down (+ bias, + LoRA's s act A^T B^T)
         d_w = rowdot(da, act)
         bias = experts.down_proj_bias
-        if bias is not None:
-            d_w += rowdot(dy, bias.index_select(0, g.experts))
+        if bias is not None:  # dy . bias[e] as [M, E] products, not an [M, H] gather of biases
+            d_w += (dy @ bias.t()).gather(1, g.experts[:, None]).view(-1).float()
         da.mul_(w.to(da.dtype))  # the routing weight scales y: now d act
         if lora:
             y_lora, da_lora = self._lora_backward("down_proj", act, dy * w.to(dy.dtype), g,
@@ -214,8 +204,3 @@ class MoELayerRun(_LayerRun):
             (dgu,) = torch.autograd.grad(experts.activate(leaf), leaf, da)
         return dgu
 
-
-def rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Row-wise dot products of a, b [M, n] -> [M] fp32, as M tiny matmuls (fp32 accumulation,
-    no [M, n] fp32 temporaries)."""
-    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1).float()

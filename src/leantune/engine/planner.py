@@ -58,10 +58,10 @@ FWD_FLOPS_PER_S = 650e12
 # --compile) keeps what autograd saves: ~ACT_FACTOR * (8 hidden + 3 intermediate + 3 kv) values
 # per token per layer (measured on an H200 for Llama-3.2-1B / 3.1-8B shapes), plus a working set
 # of a fixed part and 2.5 layers' activations; layers it does not keep are recomputed from their
-# input (torch.utils.checkpoint). For MoE layers on this path (LoRA on the experts, the router's
-# loss, attention sinks: engine/moe_layer.moe_unsupported; not measured yet) the intermediate
-# width is the top-k experts' together (ModelConfig.mlp_width) and each token's k routed copies
-# of its input and output add 2 k hidden.
+# input (torch.utils.checkpoint). For MoE layers on this path (the router's load-balancing loss,
+# router jitter: engine/moe_layer.moe_unsupported; --no-fused-layers; not measured) the
+# intermediate width is the top-k experts' together (ModelConfig.mlp_width) and each token's k
+# routed copies of its input and output add 2 k hidden.
 ACT_FACTOR = 0.8
 AUTOGRAD_HEADROOM_GIB = 1.5
 AUTOGRAD_HEADROOM_LAYERS = 2.5
@@ -210,10 +210,10 @@ def plan_peak_bytes(w: Workload, plans: list[LayerPlan],
 def recompute_flops(w: Workload, plans: list[LayerPlan]) -> float:
     """Matmul FLOPs a plan spends recomputing in backward: what the planner minimises.
     INPUT recomputes every projection but down; ATTENTION, gate and up; ALL, none."""
-    c = w.cfg
+    c = w.cfg  # (MoE: gate/up of the routed rows, mlp_width = k x the expert's width)
     per = {Keep.INPUT: 2.0 * w.tokens * c.hidden_size * (2 * c.q_size + 2 * c.kv_size
-                                                         + 2 * c.intermediate_size),
-           Keep.ATTENTION: 2.0 * w.tokens * c.hidden_size * 2 * c.intermediate_size,
+                                                         + 2 * c.mlp_width),
+           Keep.ATTENTION: 2.0 * w.tokens * c.hidden_size * 2 * c.mlp_width,
            Keep.ALL: 0.0}
     return sum(per[p.keep] for p in plans)
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
+from ..utils.tensors import rowdot
 from .flash import flash_backward, flash_forward, flash_ok
 
 
@@ -36,12 +37,12 @@ def add_sinks(out: torch.Tensor, lse: torch.Tensor,
     B, T, Hq, _ = out.shape
     lse_s = torch.logaddexp(lse, sinks.float()[:, None])
     keep = torch.exp(lse - lse_s).t().reshape(B, T, Hq, 1)  # 1 - the sink's probability
-    return (out.float() * keep).to(out.dtype), lse_s
+    return out * keep.to(out.dtype), lse_s
 
 
 def _row_dot(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """rowsum(dout * out) per (q head, token): [Hq, B*T] fp32 (attention backward's D)."""
-    return (dout.float() * out.float()).sum(-1).flatten(0, 1).t()
+    return rowdot(dout, out).flatten(0, 1).t()
 
 
 def sinks_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
@@ -126,14 +127,16 @@ def sink_forward(q, k, v, sinks, cu_seqlens, max_seqlen, window, scale):
     return *add_sinks(out, lse, sinks), rng
 
 
-def sink_backward(dout, q, k, v, sinks, out, lse, rng, cu_seqlens, max_seqlen, window, scale):
-    """(dq, dk, dv, dsinks) for dout, given sink_forward's inputs and results."""
+def sink_backward(dout, q, k, v, sinks, out, lse, rng, cu_seqlens, max_seqlen, window, scale,
+                  need_dsinks: bool = True):
+    """(dq, dk, dv, dsinks) for dout, given sink_forward's inputs and results (dsinks None
+    unless `need_dsinks`: frozen sinks)."""
     if flash_ok(q):
         dq, dk, dv = flash_backward(dout, q, k, v, out, lse, rng, cu_seqlens, max_seqlen,
                                     window, scale)
     else:
         dq, dk, dv = math_backward(dout, q, k, v, out, lse, cu_seqlens, window, scale)
-    return dq, dk, dv, sinks_grad(dout, out, lse, sinks)
+    return dq, dk, dv, sinks_grad(dout, out, lse, sinks) if need_dsinks else None
 
 
 class SinkAttention(torch.autograd.Function):
@@ -151,7 +154,7 @@ class SinkAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, sinks, out, lse, rng, cu_seqlens = ctx.saved_tensors
         grads = sink_backward(dout.contiguous(), q, k, v, sinks, out, lse, rng, cu_seqlens,
-                              *ctx.args)
+                              *ctx.args, need_dsinks=ctx.needs_input_grad[3])
         return (*grads, None, None, None, None)
 
 

@@ -768,6 +768,6 @@ def _fused_path_hint(why: str) -> str:
         return "use --lora-dropout 0 for the fused path"
     if "load-balancing" in why:
         return "--router-aux-loss-coef 0 takes the fused path"
-    if "sinks" in why or "jitter" in why:
+    if "jitter" in why:
         return "the fused layer does not cover this model yet"
     return "LoRA on a frozen base takes the fused path"

@@ -12,6 +12,7 @@ read only through `base_weight()`, the seam where a quantised base dequantises: 
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -108,3 +109,20 @@ class LoRALinear(nn.Module):
         s = f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
         s += ", nf4" if self.nf4 is not None else ""
         return s + (f", lora_r={self.r}, scaling={self.scaling:g}" if self.has_lora else "")
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module):
+    """Within the block, `model` computes as its base: every LoRA term (LoRALinear and the MoE
+    experts' adapters) is scaled by 0. The preference objectives' reference model is the base
+    with the adapter switched off: no second copy of the weights. Meant for no-grad passes
+    (the plain layer path; the fused executors run only while gradients are recorded)."""
+    mods = [m for m in model.modules() if getattr(m, "has_lora", False) and hasattr(m, "scaling")]
+    saved = [m.scaling for m in mods]
+    try:
+        for m in mods:
+            m.scaling = 0.0
+        yield
+    finally:
+        for m, s in zip(mods, saved):
+            m.scaling = s

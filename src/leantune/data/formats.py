@@ -26,6 +26,7 @@ from typing import Any
 
 from leantune.data.files import Location, format_location
 from leantune.errors import LeantuneError
+from leantune.utils.templates import render_chat_template
 
 FORMATS = ("alpaca", "messages", "text")
 
@@ -252,16 +253,9 @@ def normalize_messages(row: dict, where: str = "<rows>") -> list[dict]:
 
 
 def _render(tokenizer, msgs: list[dict], add_generation_prompt: bool, where: str) -> str:
-    try:
-        text = tokenizer.apply_chat_template(
-            msgs, tokenize=False, add_generation_prompt=add_generation_prompt)
-    except Exception as e:  # jinja TemplateError / raise_exception() in the template, etc.
-        raise LeantuneError(
-            f"{where}: the tokenizer's chat template rejected this conversation "
-            f"({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
-    if not isinstance(text, str):  # defensive: some versions return a list for batched input
-        text = text[0]
-    return text
+    """The conversation as chat-template text, within a time and size limit (utils/templates)."""
+    return render_chat_template(tokenizer, msgs, where,
+                                add_generation_prompt=add_generation_prompt)
 
 
 def _common_prefix_len(a: str, b: str) -> int:

@@ -95,7 +95,8 @@ class SFTDataset:
         for loc, row in located:
             ids, mask = encode_example(row, self.format, tokenizer,
                                        train_on_inputs=self.train_on_inputs,
-                                       source=self.source, line=loc)
+                                       source=self.source, line=loc,
+                                       max_tokens=self.max_seq_len + 1)
             has_target = any(mask[1:])  # token i + 1 is the target of token i
             cut = len(ids) > self.max_seq_len
             if cut:

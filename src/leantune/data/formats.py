@@ -21,11 +21,13 @@ emit it) and ends with EOS, trained whenever it closes a response so the model l
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from leantune.data.files import Location, format_location
 from leantune.errors import LeantuneError
+from leantune.utils.templates import render_chat_template
 
 FORMATS = ("alpaca", "messages", "text")
 
@@ -133,10 +135,49 @@ def _text_field(row: dict, key: str, fmt: str, where: str, required: bool = True
         f"needs {FORMAT_NEEDS[fmt]}")
 
 
-def _encode(tokenizer, text: str) -> list[int]:
-    """Tokenize without the tokenizer adding BOS/EOS itself (we place them explicitly)."""
+# Tokens tokenized past a cut text before the tokens kept: how far a cut can change tokens.
+CUT_MARGIN_TOKENS = 64
+_LONGEST_TOKEN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def longest_token_chars(tokenizer) -> int | None:
+    """Characters of the longest vocabulary entry (an upper bound on the characters one token
+    covers: byte-level entries spell one symbol a byte), or None when the vocabulary is not
+    readable. Cached per tokenizer."""
+    try:
+        return _LONGEST_TOKEN[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    try:
+        longest = max(map(len, tokenizer.get_vocab()), default=0) or None
+    except Exception:  # no get_vocab (a custom tokenizer): no safe bound
+        longest = None
+    try:
+        _LONGEST_TOKEN[tokenizer] = longest
+    except TypeError:  # not weak-referenceable: recomputed next time
+        pass
+    return longest
+
+
+def _encode(tokenizer, text: str, max_tokens: int | None = None) -> list[int]:
+    """Tokenize without the tokenizer adding BOS/EOS itself (we place them explicitly).
+
+    With `max_tokens`, a text far longer than that many tokens is cut before tokenizing, so a
+    line of tens of MB costs memory for the tokens kept, not for millions: the cut keeps
+    (max_tokens + CUT_MARGIN_TOKENS) * longest_token_chars characters, which hold at least that
+    many tokens; the first max_tokens are returned. A cut changes at most the tokens of the
+    word it falls in, CUT_MARGIN_TOKENS after the kept ones, so they are the same as those of
+    the whole text (tests/data/test_huge_lines.py checks it). Fewer tokens than the margin
+    promises (a normalizer that merges characters) fall back to the whole text."""
     if not text:
         return []
+    longest = longest_token_chars(tokenizer) if max_tokens is not None else None
+    if longest is not None:
+        keep = (max_tokens + CUT_MARGIN_TOKENS) * longest
+        if len(text) > keep:
+            ids = list(tokenizer.encode(text[:keep], add_special_tokens=False))
+            if len(ids) >= max_tokens + CUT_MARGIN_TOKENS:
+                return ids[:max_tokens]
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -189,20 +230,21 @@ def render_alpaca_prompt(instruction: str, input: str = "") -> str:
     return ALPACA_PROMPT_NO_INPUT.format(instruction=instruction)
 
 
-def _encode_alpaca(row: dict, tokenizer, train_on_inputs: bool, where: str):
+def _encode_alpaca(row: dict, tokenizer, train_on_inputs: bool, where: str,
+                   max_tokens: int | None = None):
     instruction = _text_field(row, "instruction", "alpaca", where)
     output = _text_field(row, "output", "alpaca", where)
     inp = _text_field(row, "input", "alpaca", where, required=False)
     # Prompt and response are tokenized separately so the mask boundary is exact.
-    p_ids = _encode(tokenizer, render_alpaca_prompt(instruction, inp))
-    r_ids = _encode(tokenizer, output)
+    p_ids = _encode(tokenizer, render_alpaca_prompt(instruction, inp), max_tokens)
+    r_ids = _encode(tokenizer, output, max_tokens)
     ids = p_ids + r_ids
     mask = [train_on_inputs] * len(p_ids) + [True] * len(r_ids)
     return _finish(ids, mask, tokenizer, eos_trained=True)
 
 
-def _encode_text(row: dict, tokenizer, where: str):
-    ids = _encode(tokenizer, _text_field(row, "text", "text", where))
+def _encode_text(row: dict, tokenizer, where: str, max_tokens: int | None = None):
+    ids = _encode(tokenizer, _text_field(row, "text", "text", where), max_tokens)
     return _finish(ids, [True] * len(ids), tokenizer, eos_trained=True)
 
 
@@ -252,16 +294,9 @@ def normalize_messages(row: dict, where: str = "<rows>") -> list[dict]:
 
 
 def _render(tokenizer, msgs: list[dict], add_generation_prompt: bool, where: str) -> str:
-    try:
-        text = tokenizer.apply_chat_template(
-            msgs, tokenize=False, add_generation_prompt=add_generation_prompt)
-    except Exception as e:  # jinja TemplateError / raise_exception() in the template, etc.
-        raise LeantuneError(
-            f"{where}: the tokenizer's chat template rejected this conversation "
-            f"({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
-    if not isinstance(text, str):  # defensive: some versions return a list for batched input
-        text = text[0]
-    return text
+    """The conversation as chat-template text, within a time and size limit (utils/templates)."""
+    return render_chat_template(tokenizer, msgs, where,
+                                add_generation_prompt=add_generation_prompt)
 
 
 def _common_prefix_len(a: str, b: str) -> int:
@@ -376,8 +411,8 @@ def _encode_messages(row: dict, tokenizer, train_on_inputs: bool, where: str):
 # --------------------------------------------------------------------------------------------
 
 def encode_example(row: dict[str, Any], fmt: str, tokenizer, *, train_on_inputs: bool = False,
-                   source: str | os.PathLike | None = None, line: Location | None = None
-                   ) -> tuple[list[int], list[bool]]:
+                   source: str | os.PathLike | None = None, line: Location | None = None,
+                   max_tokens: int | None = None) -> tuple[list[int], list[bool]]:
     """Tokenize one row.
 
     Args:
@@ -387,6 +422,9 @@ def encode_example(row: dict[str, Any], fmt: str, tokenizer, *, train_on_inputs:
         train_on_inputs: train on every token (prompts, user turns, template) instead of only
             on responses.
         source, line: where the row came from, for error messages (`format_location`).
+        max_tokens: the caller keeps only this many tokens (SFTDataset: max_seq_len); alpaca
+            and text rows longer than that are cut before tokenizing, with the same kept
+            tokens (`_encode`). None: tokenize everything.
 
     Returns:
         (ids, loss_mask): two lists of equal length L; ``loss_mask[i]`` is True when token i is a
@@ -401,7 +439,7 @@ def encode_example(row: dict[str, Any], fmt: str, tokenizer, *, train_on_inputs:
     if not isinstance(row, dict):
         raise LeantuneError(f"{where}: expected an object, got {type(row).__name__}")
     if fmt == "alpaca":
-        return _encode_alpaca(row, tokenizer, train_on_inputs, where)
+        return _encode_alpaca(row, tokenizer, train_on_inputs, where, max_tokens)
     if fmt == "messages":
         return _encode_messages(row, tokenizer, train_on_inputs, where)
-    return _encode_text(row, tokenizer, where)
+    return _encode_text(row, tokenizer, where, max_tokens)

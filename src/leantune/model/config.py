@@ -15,6 +15,7 @@ from typing import Any
 
 from ..errors import LeantuneError
 from ..kernels.swiglu import act_code
+from .limits import check_config_bounds
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gpt_oss")
 MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "gpt_oss")
@@ -131,6 +132,7 @@ class ModelConfig:
                 f"{source}: model_type {mt!r} is not supported; supported: "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        check_config_bounds(d, source)  # before any size is used: no list of 1e9 layers
         try:
             heads = int(d["num_attention_heads"])
             hidden = int(d["hidden_size"])

@@ -6,6 +6,7 @@ from .rmsnorm import rms_norm, rms_norm_reference
 from .rope import apply_rope, apply_rope_reference
 from .swiglu import act_code, geglu, geglu_reference, glu, swiglu, swiglu_reference
 from .cross_entropy import fused_linear_cross_entropy, linear_cross_entropy_reference
+from .token_logprobs import segment_sum, token_logprobs, token_logprobs_reference
 
 __all__ = [
     "backend", "get_backend", "set_backend", "use_triton",
@@ -13,4 +14,5 @@ __all__ = [
     "apply_rope", "apply_rope_reference",
     "act_code", "glu", "swiglu", "swiglu_reference", "geglu", "geglu_reference",
     "fused_linear_cross_entropy", "linear_cross_entropy_reference",
+    "token_logprobs", "token_logprobs_reference", "segment_sum",
 ]

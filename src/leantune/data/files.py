@@ -38,6 +38,8 @@ PARQUET_SUFFIXES = (".parquet",)
 SUPPORTED_SUFFIXES = JSONL_SUFFIXES + JSON_SUFFIXES + CSV_SUFFIXES + PARQUET_SUFFIXES
 # A CSV cell may hold a whole document: allow far more than the csv module's 128 KiB default.
 CSV_FIELD_LIMIT = 1 << 30
+# A JSON Lines line longer than this is refused before parsing (parsing it would take many GiB).
+MAX_LINE_CHARS = 1 << 30
 
 
 def format_location(source: str | os.PathLike | None, line: Location | None) -> str:
@@ -78,6 +80,11 @@ def _read_jsonl(path: Path) -> list[tuple[Location, dict]]:
     for lineno, line in enumerate(_read_text(path).splitlines(), start=1):
         if not line.strip():
             continue
+        if len(line) > MAX_LINE_CHARS:
+            raise LeantuneError(
+                f"{path}:{lineno}: a line of {len(line)} characters, over the limit of "
+                f"{MAX_LINE_CHARS}; split the example or shorten it (rows are cut to "
+                "--max-seq-len tokens anyway)")
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:

@@ -159,6 +159,14 @@ def longest_token_chars(tokenizer) -> int | None:
     return longest
 
 
+def cut_chars(tokenizer, max_tokens: int | None) -> int | None:
+    """Characters that hold at least max_tokens + CUT_MARGIN_TOKENS tokens of any text: where a
+    text (or a conversation's contents) may be cut, or None (no max_tokens, or no vocabulary to
+    bound a token's characters by)."""
+    longest = longest_token_chars(tokenizer) if max_tokens is not None else None
+    return None if longest is None else (max_tokens + CUT_MARGIN_TOKENS) * longest
+
+
 def _encode(tokenizer, text: str, max_tokens: int | None = None) -> list[int]:
     """Tokenize without the tokenizer adding BOS/EOS itself (we place them explicitly).
 
@@ -171,9 +179,8 @@ def _encode(tokenizer, text: str, max_tokens: int | None = None) -> list[int]:
     promises (a normalizer that merges characters) fall back to the whole text."""
     if not text:
         return []
-    longest = longest_token_chars(tokenizer) if max_tokens is not None else None
-    if longest is not None:
-        keep = (max_tokens + CUT_MARGIN_TOKENS) * longest
+    keep = cut_chars(tokenizer, max_tokens)
+    if keep is not None:
         if len(text) > keep:
             ids = list(tokenizer.encode(text[:keep], add_special_tokens=False))
             if len(ids) >= max_tokens + CUT_MARGIN_TOKENS:
@@ -186,6 +193,11 @@ def _is_blank_token(tokenizer, tok_id: int) -> bool:
         return tokenizer.decode([tok_id]).strip() == ""
     except Exception:  # an id the decoder cannot render is not whitespace
         return False
+
+
+# `_finish` may drop this many layout tokens at the end before it appends EOS: a cut
+# conversation keeps that many more than max_tokens, so the tokens kept still reach max_tokens.
+_FINISH_TRIM = 4
 
 
 def _finish(ids: list[int], mask: list[bool], tokenizer, eos_trained: bool
@@ -209,7 +221,7 @@ def _finish(ids: list[int], mask: list[bool], tokenizer, eos_trained: bool
                 # Untrained layout whitespace after the response (e.g. "<|end|>\n") would sit
                 # between the response and EOS; drop it so the model learns "<|end|>" -> EOS.
                 j = len(ids)
-                while (j > 1 and len(ids) - j < 4 and not mask[j - 1]
+                while (j > 1 and len(ids) - j < _FINISH_TRIM and not mask[j - 1]
                        and _is_blank_token(tokenizer, ids[j - 1])):
                     j -= 1
                 if j < len(ids) and mask[j - 1]:
@@ -387,22 +399,69 @@ def _tokenize_with_spans(tokenizer, text: str, spans: Iterable[tuple[int, int]],
     return ids + piece, mask + [False] * len(piece)
 
 
-def _encode_messages(row: dict, tokenizer, train_on_inputs: bool, where: str):
+def _cut_messages(msgs: list[dict], bound: int) -> tuple[list[dict], bool]:
+    """The conversation with its contents cut to `bound` characters in all, and whether any was.
+
+    Contents are counted in order; the one that passes the bound keeps what is left of it, and
+    every later turn keeps its role and other fields with an empty content. A template writes
+    each content as it is, so the rendering then holds `bound` content characters (more than
+    the tokens kept, `cut_chars`) before the first cut: all that is cut lies past the truncation
+    point. Later turns are emptied rather than dropped because some templates look ahead
+    (``loop.last``, the index of the last user turn) when rendering earlier ones.
+    List contents (multimodal parts) are left as they are.
+    """
+    left, cut, out = bound, False, []
+    for m in msgs:
+        content = m["content"]
+        if isinstance(content, str):
+            if len(content) > left:
+                m, cut = dict(m, content=content[:left]), True
+            left -= len(m["content"])
+        out.append(m)
+    return out, cut
+
+
+def _conversation_tokens(tokenizer, msgs: list[dict], train_on_inputs: bool, where: str,
+                         bound: int | None = None) -> tuple[list[int], list[bool], bool]:
+    """Render and tokenize a conversation: (ids, mask, whether the rendering was cut).
+
+    With `bound`, only the first `bound` characters of the rendering are tokenized (as `_encode`
+    cuts a text), so a conversation of many turns costs tokens for what is kept."""
+    if train_on_inputs:
+        full, spans = _render(tokenizer, msgs, False, where), None
+    else:
+        full, spans = assistant_char_spans(tokenizer, msgs, where)
+    cut = bound is not None and len(full) > bound
+    if cut:
+        full = full[:bound]
+        spans = spans and [(s, min(e, bound)) for s, e in spans if s < bound]
+    if spans is None:
+        ids = _encode(tokenizer, full)
+        return ids, [True] * len(ids), cut
+    return *_tokenize_with_spans(tokenizer, full, spans), cut
+
+
+def _encode_messages(row: dict, tokenizer, train_on_inputs: bool, where: str,
+                     max_tokens: int | None = None):
+    """A conversation's (ids, mask). With `max_tokens`, contents past `cut_chars` characters are
+    cut before rendering and the rendering is cut there too (`_cut_messages`), keeping the
+    tokens and mask of the whole conversation's first max_tokens (tests/data/test_huge_lines.py
+    checks it). Fewer tokens than the cut promises fall back to the whole conversation."""
     msgs = normalize_messages(row, where)
     if not getattr(tokenizer, "chat_template", None):
         raise LeantuneError(
             f"{where}: the tokenizer has no chat template, which the messages format needs; use "
             "an instruct/chat model's tokenizer, set a chat template, or convert the data to the "
             "alpaca or text format")
-    if train_on_inputs:
-        full = _render(tokenizer, msgs, False, where)
-        ids = _encode(tokenizer, full)
-        mask = [True] * len(ids)
-        eos_trained = True
-    else:
-        full, spans = assistant_char_spans(tokenizer, msgs, where)
-        ids, mask = _tokenize_with_spans(tokenizer, full, spans)
-        eos_trained = msgs[-1]["role"] == "assistant"
+    bound = cut_chars(tokenizer, max_tokens)
+    short, cut = _cut_messages(msgs, bound) if bound is not None else (msgs, False)
+    ids, mask, cut_text = _conversation_tokens(tokenizer, short, train_on_inputs, where, bound)
+    if cut or cut_text:
+        if len(ids) >= max_tokens + CUT_MARGIN_TOKENS:
+            ids, mask = ids[:max_tokens + _FINISH_TRIM], mask[:max_tokens + _FINISH_TRIM]
+        else:
+            ids, mask, _ = _conversation_tokens(tokenizer, msgs, train_on_inputs, where)
+    eos_trained = train_on_inputs or msgs[-1]["role"] == "assistant"
     return _finish(ids, mask, tokenizer, eos_trained=eos_trained)
 
 
@@ -422,9 +481,9 @@ def encode_example(row: dict[str, Any], fmt: str, tokenizer, *, train_on_inputs:
         train_on_inputs: train on every token (prompts, user turns, template) instead of only
             on responses.
         source, line: where the row came from, for error messages (`format_location`).
-        max_tokens: the caller keeps only this many tokens (SFTDataset: max_seq_len); alpaca
-            and text rows longer than that are cut before tokenizing, with the same kept
-            tokens (`_encode`). None: tokenize everything.
+        max_tokens: the caller keeps only this many tokens (SFTDataset: max_seq_len + 1); rows
+            far longer than that are cut before tokenizing (texts: `_encode`; conversations:
+            `_encode_messages`), with the same kept tokens and mask. None: tokenize everything.
 
     Returns:
         (ids, loss_mask): two lists of equal length L; ``loss_mask[i]`` is True when token i is a
@@ -441,5 +500,5 @@ def encode_example(row: dict[str, Any], fmt: str, tokenizer, *, train_on_inputs:
     if fmt == "alpaca":
         return _encode_alpaca(row, tokenizer, train_on_inputs, where, max_tokens)
     if fmt == "messages":
-        return _encode_messages(row, tokenizer, train_on_inputs, where)
+        return _encode_messages(row, tokenizer, train_on_inputs, where, max_tokens)
     return _encode_text(row, tokenizer, where, max_tokens)

@@ -65,6 +65,19 @@ def _train_parser(sub) -> None:
     a("--full", action="store_true", default=None, help="full fine-tuning instead of LoRA")
     a("--router-aux-loss-coef", type=float,
       help="MoE models: add this times the router's load-balancing loss (default 0 = off)")
+    o = p.add_argument_group("objective", "what the run optimises (default sft: next-token "
+                                          "cross-entropy); the rest are preference settings")
+    o.add_argument("--objective", help="sft (default)")
+    o.add_argument("--beta", type=float, help="preference: the KL / odds-ratio weight (0.1)")
+    o.add_argument("--loss-type", help="DPO family: sigmoid (default), ipo or hinge")
+    o.add_argument("--label-smoothing", type=float, help="DPO sigmoid: label smoothing (0)")
+    o.add_argument("--simpo-gamma", type=float, help="SimPO: the target reward margin (0.5)")
+    o.add_argument("--desirable-weight", type=float, help="KTO: desirable rows' weight (1)")
+    o.add_argument("--undesirable-weight", type=float, help="KTO: undesirable rows' weight (1)")
+    o.add_argument("--precompute-reference", action="store_true", default=None,
+                   help="compute the reference log-probs once, before training")
+    o.add_argument("--max-prompt-len", type=int,
+                   help="preference: prompt tokens kept, cut from the left (default: no cap)")
     a("--load-in-4bit", action="store_true", default=None,
       help="QLoRA: quantise the decoder's linear weights to NF4 while loading (a *-bnb-4bit "
            "checkpoint is 4-bit without it)")
@@ -182,7 +195,7 @@ def cmd_train(args) -> int:
     if not cfg.full:
         from .export.serving import vllm_lora_lines
 
-        for line in vllm_lora_lines(cfg.model, out, cfg.lora_r):
+        for line in vllm_lora_lines(cfg.model, out, cfg.lora.r):
             print(line)
     if demo:
         print(answer)

@@ -44,16 +44,14 @@ def one_gpu_bytes(cfg, model_config, dtype: torch.dtype,
     is built on the meta device)."""
     from ..engine import Engine, has_expert_lora, lora_ranks
     from ..engine.planner import Workload, least_plan_bytes
-    from ..lora import LoRAConfig, apply_lora
+    from ..lora import apply_lora
     from ..model.loader import build_empty
 
     m = build_empty(model_config, dtype, torch.device("meta"))
     if cfg.full:
         m.requires_grad_(True)
     else:
-        apply_lora(m, LoRAConfig(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
-                                 targets=cfg.lora_targets, use_rslora=cfg.use_rslora),
-                   dtype=torch.float32)
+        apply_lora(m, cfg.lora.build(), dtype=torch.float32)
     options = cfg.engine_options()
     autograd = cfg.compile or Engine(options).fused_unsupported(m) is not None
     work = Workload(model_config, cfg.batch_size * cfg.max_seq_len,

@@ -77,8 +77,9 @@ def _checkpoint_lora(ckpt: Path) -> LoRAConfig:
             raise LeantuneError(f"{ckpt}: a checkpoint of a full fine-tune (--full) holds whole "
                                 "weights, not an adapter to merge; finish the run (`leantune "
                                 "train ... --resume`) to write its model")
-        return LoRAConfig(r=int(cfg["lora_r"]), alpha=float(cfg["lora_alpha"]),
-                          targets=cfg["lora_targets"], use_rslora=bool(cfg["use_rslora"]))
+        from ..train.config import TrainConfig
+
+        return TrainConfig.from_dict(cfg).lora.build()  # (nested, or flat as older runs wrote)
     except (ValueError, KeyError, TypeError) as e:
         raise LeantuneError(f"{ckpt / 'state.json'}: unreadable checkpoint state "
                             f"({type(e).__name__}: {e}); export another checkpoint") from None

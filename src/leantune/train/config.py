@@ -1,9 +1,17 @@
-"""TrainConfig: every knob of `leantune train`, from flags and/or a YAML file (flags win)."""
+"""TrainConfig: every knob of `leantune train`, from flags and/or a YAML file (flags win).
+
+Settings nest as they are used: the adapter's shape (`lora`, a LoRASettings), how the engine runs
+the layers (`engine`, an EngineSettings) and what the run optimises (`objective`, an
+ObjectiveSettings) are sections of their own. The flat names (`--lora-r`, `lora_r: 8` in YAML,
+`TrainConfig(lora_r=8)`, `--kernels`, `--beta`...) keep working: FLAT_KEYS maps each into its
+section. A saved config (run_config.json, a checkpoint's state.json) reads back through
+`TrainConfig.from_dict`, nested or in the flat form runs wrote before the sections.
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from ..engine.options import EngineOptions
@@ -11,6 +19,78 @@ from ..errors import LeantuneError
 
 
 @dataclass
+class LoRASettings:
+    """The adapter's shape (LoRA runs; --full refuses any of them changed). Checked when built
+    (`build`), so a bad value is one line at validate(), not at construction."""
+
+    r: int = 16
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: str = "q,k,v,o,gate,up,down"  # comma list; `build` normalises the names
+    use_rslora: bool = False
+
+    def build(self):
+        """The checked leantune.lora.LoRAConfig of these settings."""
+        from ..lora import LoRAConfig
+
+        return LoRAConfig(r=self.r, alpha=self.alpha, dropout=self.dropout,
+                          targets=self.targets, use_rslora=self.use_rslora)
+
+
+@dataclass
+class EngineSettings:
+    """How the engine runs the layers: leantune.engine.options.EngineOptions' fields (what each
+    means is there), unchecked until built."""
+
+    kernels: str = "auto"
+    fused_layers: bool = True
+    attention: str = "auto"
+    pack_projections: bool = True
+    pack_lora: bool = True
+    pack_align: int = 64
+    mlp_chunk_mib: float = 256.0
+    mlp_forward_chunk_factor: float = 2.0
+    link_gbs: float = 50.0
+
+    def build(self) -> EngineOptions:
+        """The checked EngineOptions of these settings (a bad value: one line)."""
+        return EngineOptions.from_dict(asdict(self))
+
+
+LOSS_TYPES = ("sigmoid", "ipo", "hinge")  # --loss-type of the DPO family
+
+
+@dataclass
+class ObjectiveSettings:
+    """What the run optimises (train/objectives): `name` picks the objective; the rest are the
+    preference objectives' settings (defaults as TRL's), refused with sft, which has none."""
+
+    name: str = "sft"
+    beta: float = 0.1  # DPO/IPO/KTO: the KL weight; ORPO: the odds-ratio weight; SimPO: scale
+    loss_type: str = "sigmoid"  # the DPO family's loss: sigmoid | ipo | hinge
+    label_smoothing: float = 0.0  # DPO sigmoid: the assumed share of flipped labels
+    simpo_gamma: float = 0.5  # SimPO: the target reward margin
+    desirable_weight: float = 1.0  # KTO: the weight of desirable rows
+    undesirable_weight: float = 1.0  # KTO: the weight of undesirable rows
+    precompute_reference: bool = False  # reference log-probs once, before training
+    max_prompt_len: int | None = None  # prompt tokens kept (cut from the left); None: no cap
+
+
+SECTIONS = {"lora": LoRASettings, "engine": EngineSettings, "objective": ObjectiveSettings}
+
+# flat name (flag / YAML key / keyword) -> (section, field)
+FLAT_KEYS = {
+    "lora_r": ("lora", "r"), "lora_alpha": ("lora", "alpha"),
+    "lora_dropout": ("lora", "dropout"), "lora_targets": ("lora", "targets"),
+    "use_rslora": ("lora", "use_rslora"),
+    **{f.name: ("engine", f.name) for f in fields(EngineSettings)},
+    **{f.name: ("objective", f.name) for f in fields(ObjectiveSettings) if f.name != "name"},
+}
+# (`objective` itself, as a name: `--objective dpo`, `objective: dpo`, is the section's name)
+FLAT_NAMES = {v: k for k, v in FLAT_KEYS.items()} | {("objective", "name"): "objective"}
+
+
+@dataclass(init=False)
 class TrainConfig:
     model: str | None = None
     data: str | None = None
@@ -28,11 +108,6 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     epochs: float = 1.0
     max_steps: int | None = None  # overrides epochs
-    lora_r: int = 16
-    lora_alpha: float = 16.0
-    lora_dropout: float = 0.0
-    lora_targets: str = "q,k,v,o,gate,up,down"
-    use_rslora: bool = False
     full: bool = False
     router_aux_loss_coef: float = 0.0  # MoE: weight of the router's load-balancing loss
     load_in_4bit: bool = False  # QLoRA: the decoder's linear weights quantised to NF4 on load
@@ -59,33 +134,63 @@ class TrainConfig:
     compile: bool = False  # torch.compile each decoder layer
     parallel: str = "auto"  # under torchrun: ddp | fsdp | auto (one process: ignored)
     progress: bool = True
-    # engine options (leantune.engine.options.EngineOptions: what each means)
-    kernels: str = "auto"
-    fused_layers: bool = True
-    attention: str = "auto"
-    pack_projections: bool = True
-    pack_lora: bool = True
-    pack_align: int = 64
-    mlp_chunk_mib: float = 256.0
-    mlp_forward_chunk_factor: float = 2.0
-    link_gbs: float = 50.0
+    lora: LoRASettings = field(default_factory=LoRASettings)
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    objective: ObjectiveSettings = field(default_factory=ObjectiveSettings)
+
+    def __init__(self, **values):
+        """Fields by name. A section may be given as its dataclass (copied), a mapping of its
+        fields, or (objective) its name; flat names (FLAT_KEYS) set one field of a section and
+        win over the section given beside them (so dataclasses.replace(cfg, lora_r=8) works)."""
+        flat = {k: values.pop(k) for k in list(values) if k in FLAT_KEYS}
+        for f in fields(self):
+            if f.name in values:
+                value = values.pop(f.name)
+            else:
+                value = f.default_factory() if f.default is MISSING else f.default
+            if f.name in SECTIONS:
+                value = _section(f.name, value)
+            setattr(self, f.name, value)
+        if values:
+            raise TypeError(f"TrainConfig: unknown option(s) {', '.join(sorted(values))}")
+        for key, value in flat.items():
+            section, name = FLAT_KEYS[key]
+            setattr(getattr(self, section), name, value)
 
     @classmethod
     def keys(cls) -> set[str]:
-        return {f.name for f in fields(cls)}
+        """Every name a flag, a YAML key or a keyword may set: the plain fields, the sections
+        and the flat names of their fields."""
+        return {f.name for f in fields(cls)} | set(FLAT_KEYS)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        """A saved config (`asdict` of one: run_config.json's and state.json's "config"),
+        nested or flat as runs wrote it before the sections; names this version does not know
+        are left out."""
+        known = cls.keys()
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    def get(self, name: str):
+        """The value of a plain field or a flat name (`get("lora_r")` is `lora.r`)."""
+        if name in FLAT_KEYS:
+            section, attr = FLAT_KEYS[name]
+            return getattr(getattr(self, section), attr)
+        if name == "objective":
+            return self.objective.name
+        return getattr(self, name)
 
     def engine_options(self) -> EngineOptions:
         """The engine options this config sets (checked: a bad value is a one-line error)."""
-        return EngineOptions.from_dict({k: getattr(self, k) for k in EngineOptions().to_dict()})
+        return self.engine.build()
 
-    # LoRA's settings: with --full they would be silently ignored, so they are refused
-    LORA_KEYS = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets", "use_rslora")
     FLOAT_KEYS = ("lr", "weight_decay", "max_grad_norm", "epochs", "lora_alpha", "lora_dropout",
-                  "eval_fraction", "max_memory_gib", "router_aux_loss_coef")
+                  "eval_fraction", "max_memory_gib", "router_aux_loss_coef", "beta",
+                  "label_smoothing", "simpo_gamma", "desirable_weight", "undesirable_weight")
 
     def validate(self) -> "TrainConfig":
         for name in self.FLOAT_KEYS:
-            value = getattr(self, name)
+            value = self.get(name)
             if value is not None and not math.isfinite(value):
                 raise LeantuneError(f"{_flag(name)} must be a finite number, got {value}")
         if self.max_seq_len <= 0:
@@ -123,7 +228,7 @@ class TrainConfig:
             raise LeantuneError("--eval-data and --eval-fraction both give an evaluation set; "
                                 "keep one of them")
         if self.full:
-            changed = [k for k in self.LORA_KEYS if getattr(self, k) != _DEFAULTS[k]]
+            changed = _changed("lora", self.lora)
             if changed:
                 raise LeantuneError(f"{_flag(changed[0])} is a LoRA setting, and --full trains "
                                     f"every weight without an adapter; drop {_flag(changed[0])} "
@@ -144,10 +249,56 @@ class TrainConfig:
         if self.dtype not in (None, "bfloat16", "float16", "float32"):
             raise LeantuneError(f"--dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
         self.engine_options()
+        self._validate_objective()
         return self
 
+    def _validate_objective(self) -> None:
+        from .objectives import objective_class
 
-_DEFAULTS = {f.name: f.default for f in fields(TrainConfig)}
+        o = self.objective
+        objective_class(o.name)  # an unknown name: one line naming those there are
+        if o.name == "sft":
+            changed = _changed("objective", o)
+            if changed:
+                raise LeantuneError(f"{_flag(changed[0])} is a preference-objective setting, and "
+                                    f"--objective sft (the default) has none; drop "
+                                    f"{_flag(changed[0])} or pick the objective it is for "
+                                    "(--objective dpo, ...)")
+        if not o.beta > 0:
+            raise LeantuneError(f"--beta must be positive, got {o.beta}")
+        if o.loss_type not in LOSS_TYPES:
+            raise LeantuneError(f"--loss-type must be one of {', '.join(LOSS_TYPES)}, got "
+                                f"{o.loss_type!r}")
+        if not 0.0 <= o.label_smoothing <= 0.5:
+            raise LeantuneError(f"--label-smoothing must be in [0, 0.5], got {o.label_smoothing}")
+        for name in ("desirable_weight", "undesirable_weight"):
+            if not getattr(o, name) > 0:
+                raise LeantuneError(f"{_flag(name)} must be positive, got {getattr(o, name)}")
+        if o.max_prompt_len is not None and not 0 < o.max_prompt_len < self.max_seq_len:
+            raise LeantuneError(f"--max-prompt-len must be a positive number of tokens under "
+                                f"--max-seq-len {self.max_seq_len}, got {o.max_prompt_len}")
+
+
+def _section(name: str, value):
+    """The section `name` from what a caller gave: its dataclass (copied, so a replaced config
+    never shares a section with the original), a mapping of its fields, or an objective's
+    name."""
+    cls = SECTIONS[name]
+    if isinstance(value, cls):
+        return replace(value)
+    if name == "objective" and isinstance(value, str):
+        return cls(name=value)
+    if isinstance(value, dict):
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in value.items() if k in known})
+    raise TypeError(f"TrainConfig.{name}: expected {cls.__name__} or a mapping, got {value!r}")
+
+
+def _changed(section: str, value) -> list[str]:
+    """The flat names of the fields of `value` (a section) that differ from their defaults."""
+    default = SECTIONS[section]()
+    return [FLAT_NAMES[(section, f.name)] for f in fields(value)
+            if f.name != "name" and getattr(value, f.name) != getattr(default, f.name)]
 
 
 def _flag(name: str) -> str:
@@ -188,14 +339,45 @@ def load_yaml_config(path: str) -> dict:
         if key not in TrainConfig.keys():
             raise LeantuneError(f"{p}: unknown option {k!r}; options are the `leantune train` "
                                 "flags without the leading dashes")
+        if key in SECTIONS and (isinstance(v, dict) or key != "objective"):
+            out[key] = _coerce_section(p, k, key, v)
+            continue
         out[key] = _coerce(p, k, key, v)
     return out
 
 
-def _coerce(path: Path, raw_key, key: str, value):
+def _coerce_section(path: Path, raw_key, section: str, value) -> dict:
+    """A section written as a mapping (`lora: {r: 8, alpha: 16}`): each field checked as a flag
+    would be."""
+    cls = SECTIONS[section]
+    if not isinstance(value, dict):
+        raise LeantuneError(f"{path}: option {raw_key!r} must be a mapping of its settings "
+                            f"({', '.join(f.name for f in fields(cls))})")
+    kinds = {f.name: str(f.type) for f in fields(cls)}
+    out = {}
+    for k, v in value.items():
+        name = str(k).replace("-", "_")
+        if name not in kinds:
+            raise LeantuneError(f"{path}: unknown option {raw_key}.{k}; {raw_key} holds "
+                                f"{', '.join(kinds)}")
+        out[name] = _coerce(path, f"{raw_key}.{k}", name, v, kinds[name])
+    return out
+
+
+def _kind(key: str) -> str:
+    """The type (as written in the dataclass) of the plain field or flat name `key`."""
+    if key == "objective":
+        return "str"  # (its name)
+    if key in FLAT_KEYS:
+        section, name = FLAT_KEYS[key]
+        return {f.name: str(f.type) for f in fields(SECTIONS[section])}[name]
+    return {f.name: str(f.type) for f in fields(TrainConfig)}[key]
+
+
+def _coerce(path: Path, raw_key, key: str, value, kind: str | None = None):
     """Check a YAML value against the field's type. YAML 1.1 reads `1e-4` (no dot) as a string,
     so numbers written as strings are converted; anything else of the wrong type is an error."""
-    kind = {f.name: str(f.type) for f in fields(TrainConfig)}[key]
+    kind = kind or _kind(key)
     if value is None:
         if "None" in kind:
             return None

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from functools import partial
 from pathlib import Path
 
@@ -35,7 +35,7 @@ from ..dist.data import RankLoader, window_tokens
 from ..dist.parallel import Parallel
 from ..dist.tensors import full_tensor
 from ..errors import LeantuneError
-from ..lora import LoRAConfig, apply_lora, save_adapter
+from ..lora import apply_lora, save_adapter
 from ..model.config import ModelConfig
 from ..model.loader import DTYPES, build_empty, default_dtype, load_model, resolve_checkpoint
 from ..utils import signals
@@ -48,7 +48,7 @@ from .checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from .config import TrainConfig
+from .config import FLAT_NAMES, TrainConfig
 from .health import NonFiniteWatch
 from .merge_at_end import check_merge_at_end, merge_at_end
 from .metrics import NoMetrics, Progress
@@ -138,8 +138,7 @@ class Trainer:
                                 "weights for loss scaling); use --dtype float32, or bfloat16 on "
                                 "a GPU that has it")
         if not cfg.full:
-            LoRAConfig(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
-                       targets=cfg.lora_targets)
+            cfg.lora.build()  # (checked: a bad value is one line, before anything is read)
         for flag, path in (("--data", cfg.data), ("--eval-data", cfg.eval_data)):
             if path and train_data is None:
                 check_source(path, flag)
@@ -187,10 +186,8 @@ class Trainer:
             for p in m.parameters():
                 p.requires_grad_(True)
         else:
-            lcfg = LoRAConfig(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
-                              targets=cfg.lora_targets, use_rslora=cfg.use_rslora)
             # fp32 adapter masters under a half-precision base
-            apply_lora(m, lcfg, seed=cfg.seed, dtype=torch.float32)
+            apply_lora(m, cfg.lora.build(), seed=cfg.seed, dtype=torch.float32)
         self.params = [p for p in m.parameters() if p.requires_grad]
         options, overridden = cfg.engine_options().with_env_overrides()
         options = self.parallel.engine_options(options)  # FSDP2: no packed projections
@@ -256,7 +253,7 @@ class Trainer:
         n_train = sum(p.numel() for p in self.params)
         n_all = sum(p.numel() for p in m.parameters())
         self.log(f"trainable parameters: {n_train:,} of {n_all:,} ({100 * n_train / n_all:.2f}%)"
-                 f"  [{'full' if cfg.full else 'LoRA r=%d' % cfg.lora_r}, {self.dtype}, "
+                 f"  [{'full' if cfg.full else 'LoRA r=%d' % cfg.lora.r}, {self.dtype}, "
                  f"{self.device}, activations: {policy}]")
 
     def _setup_router_aux_loss(self) -> None:
@@ -367,12 +364,17 @@ class Trainer:
                          "load_in_4bit")
 
     def _check_resumed_config(self, ckpt: Path, saved: dict) -> None:
-        for key in self.RESUME_MUST_MATCH:
-            if key in saved and saved[key] != getattr(self.cfg, key):
+        """`saved`: the checkpoint's config (nested, or flat as runs before the sections wrote
+        it: those trained SFT). The objective and its settings must match too."""
+        was = TrainConfig.from_dict(saved)
+        keys = [k for k in self.RESUME_MUST_MATCH if k in saved]
+        keys += [FLAT_NAMES[("objective", f.name)] for f in fields(was.objective)]
+        for key in keys:
+            if was.get(key) != self.cfg.get(key):
                 flag = "--" + key.replace("_", "-")
                 raise LeantuneError(
-                    f"{ckpt}: the run was started with {flag} {saved[key]}, this command has "
-                    f"{getattr(self.cfg, key)}; resume with the same value (or start a new run "
+                    f"{ckpt}: the run was started with {flag} {was.get(key)}, this command has "
+                    f"{self.cfg.get(key)}; resume with the same value (or start a new run "
                     f"in another --output)")
 
     # --- one step ------------------------------------------------------------------------------

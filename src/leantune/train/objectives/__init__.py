@@ -14,14 +14,21 @@ from .sft import SFTObjective
 OBJECTIVES = {"sft": SFTObjective}
 
 
-def objective_for(cfg, log=print) -> Objective:
-    """The objective `cfg.objective` names, built for this run."""
-    name = getattr(cfg, "objective", "sft") or "sft"
+def objective_class(name: str) -> type[Objective]:
+    """The Objective class `--objective name` picks; one line naming those there are if none."""
     if name not in OBJECTIVES:
         from ...errors import LeantuneError
 
-        raise LeantuneError(f"--objective {name!r} is not one of {', '.join(OBJECTIVES)}")
-    return OBJECTIVES[name](cfg, log)
+        raise LeantuneError(f"--objective {name}: no such objective; the objectives are "
+                            f"{', '.join(OBJECTIVES)}")
+    return OBJECTIVES[name]
 
 
-__all__ = ["MicroLoss", "OBJECTIVES", "Objective", "SFTObjective", "objective_for"]
+def objective_for(cfg, log=print) -> Objective:
+    """The objective `cfg.objective.name` (a TrainConfig's ObjectiveSettings) names, built for
+    this run (it reads the whole `cfg`: the data flags, and its section's settings)."""
+    return objective_class(cfg.objective.name)(cfg, log)
+
+
+__all__ = ["MicroLoss", "OBJECTIVES", "Objective", "SFTObjective", "objective_class",
+           "objective_for"]

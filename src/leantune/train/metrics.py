@@ -48,15 +48,20 @@ class Progress:
                             file=sys.stdout)
         self.total = total
 
-    def update(self, step: int, loss: float, tok_s: float, eta_s: float | None = None) -> None:
+    def update(self, step: int, loss: float, tok_s: float, eta_s: float | None = None,
+               metrics: dict[str, float] | None = None) -> None:
+        """`metrics`: the objective's other logged values (name -> value), after the loss."""
         if self.quiet:
             return
+        metrics = metrics or {}
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:,.0f}", refresh=False)
+            self.bar.set_postfix(loss=f"{loss:.4f}", **{k: f"{v:.4f}" for k, v in metrics.items()},
+                                 tok_s=f"{tok_s:,.0f}", refresh=False)
             self.bar.update(step - self.bar.n)
         else:
             eta = f", ETA {eta_s:.0f}s" if eta_s is not None else ""
-            print(f"step {step}/{self.total}  loss {loss:.4f}  {tok_s:,.0f} tok/s{eta}",
+            extra = "".join(f"  {k} {v:.4f}" for k, v in metrics.items())
+            print(f"step {step}/{self.total}  loss {loss:.4f}{extra}  {tok_s:,.0f} tok/s{eta}",
                   flush=True)
 
     def write(self, msg: str) -> None:

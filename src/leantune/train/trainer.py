@@ -1,79 +1,48 @@
-"""The SFT training loop, written out plainly.
+"""The set-up of a training run: model, adapter, engine plan, data, optimizer, resume.
 
-    for each optimizer step:
-        take grad_accum packed micro-batches
-        n = target tokens in the whole window            (host int: no sync)
-        for each micro-batch: (sum of token losses / n).backward()
-        clip, AdamW step, lr from the schedule, zero grads
-        log loss / lr / grad norm / tokens/s / peak memory; eval and checkpoint when due
-
-Dividing by the target tokens of the whole accumulation window makes 4 micro-batches with
-accumulation 4 give exactly the gradient of one batch of 4 (tested), unlike averaging per-micro-
-batch means.
+Trainer builds a run from its TrainConfig and hands it to the step runner it derives from
+(train/runner.py: the loop, the same for every objective); what the run optimises is its
+objective (train/objectives: SFT by default), which also reads and batches its rows.
 
 Set-up checks everything it can before it touches the output folder or reads the weights: flags,
 the output path, the tokenizer, the data (read, encoded, checked against the vocabulary), the
-model's config and safetensors headers; then the weights load. The last step is always
-checkpointed, so a finished run can be resumed (nothing to do) or extended (a larger
---max-steps / --epochs). Ctrl-C and SIGTERM checkpoint and stop; a NaN / inf loss stops the run
-without writing its result.
+model's config and safetensors headers; then the weights load. Here too is what a run keeps:
+its settings (run_config.json), checkpoints (written when the runner says) and the final
+adapter or model.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, fields
 from functools import partial
 from pathlib import Path
 
 import torch
 
 from ..data.sources import check_source
-from ..dist.data import RankLoader, window_tokens
+from ..dist.data import RankLoader
 from ..dist.parallel import Parallel
-from ..dist.tensors import full_tensor
 from ..errors import LeantuneError
 from ..lora import apply_lora, save_adapter
 from ..model.config import ModelConfig
 from ..model.loader import DTYPES, build_empty, default_dtype, load_model, resolve_checkpoint
-from ..utils import signals
-from ..utils.io import atomic_write_json, atomic_write_text
 from ..utils.paths import check_output_folder
-from .checkpoint import (
-    _rng_state,
-    _set_rng_state,
-    latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-)
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import FLAT_NAMES, TrainConfig
 from .health import NonFiniteWatch
-from .merge_at_end import check_merge_at_end, merge_at_end
-from .metrics import NoMetrics, Progress
-from .output import FULL_INDEX, RUN_CONFIG, RunFolder
-from .plot import plot_after_training
+from .merge_at_end import check_merge_at_end
+from .objectives import objective_for
+from .output import RunFolder
 from .preflight import check_weights, locate_model
-from .reporting import check_report_to, open_reporting
-from .samples import SAMPLES, SampleWriter
+from .reporting import check_report_to
+from .runner import StepRunner, TrainResult, drop_metrics_after, peak_memory_gib  # noqa: F401
+from .samples import SampleWriter
 from .schedule import lr_factor
 
 
-@dataclass
-class TrainResult:
-    steps: int
-    train_loss: float | None
-    first_eval_loss: float | None
-    final_eval_loss: float | None
-    output: Path
-    tokens_per_s: float
-    steps_run: int = 0  # steps this call ran (0: the run had already finished)
-    skipped_steps: int = 0  # fp16: updates the loss scaler skipped (gradient overflow)
-
-
-class Trainer:
-    """Holds the model, data, optimizer and state of one run; `train()` runs it.
+class Trainer(StepRunner):
+    """Holds the model, data, optimizer and state of one run; `train()` (StepRunner) runs it.
 
     `model`, `tokenizer`, `train_data` and `eval_data` may be given ready-made (tests,
     benchmarks); what is not given is built from `cfg`."""
@@ -119,6 +88,7 @@ class Trainer:
         self.watch = NonFiniteWatch(self.device, loss_scaling=self.scaler is not None)
         self.step = 0
         self.router_aux_loss = None  # the last step's (--router-aux-loss-coef), on the device
+        self.step_metrics = {}  # the last step's objective metrics (name -> device scalar)
         self.tokens_seen = 0
         self.first_eval_loss = None
         self.saved_step = None  # the step of the last checkpoint this run wrote or resumed
@@ -158,6 +128,7 @@ class Trainer:
 
         self.tokenizer = (tokenizer if tokenizer is not None or train_data is not None
                           else load_tokenizer(model_dir))
+        self.objective = objective_for(cfg, self.log)
         self.samples = (SampleWriter(cfg.sample_prompts, self.tokenizer, self.output,
                                      cfg.sample_max_new_tokens) if cfg.sample_prompts else None)
         vocab = (model.config if model is not None
@@ -282,21 +253,15 @@ class Trainer:
                                                               for p in self.params)
 
     def _setup_data(self, train_data, eval_data, vocab: int) -> None:
-        from ..data import PackedLoader, SFTDataset
+        """The objective's datasets (given ones pass through) and resumable loaders over them,
+        and the run's length in optimizer steps."""
+        from ..data import PackedLoader
 
-        cfg = self.cfg
-        if train_data is None:
-            train_data = SFTDataset(cfg.data, self.tokenizer, cfg.max_seq_len, format=cfg.format,
-                                    train_on_inputs=cfg.train_on_inputs, split=cfg.data_split,
-                                    subset=cfg.data_subset)
-        if eval_data is None and cfg.eval_data:
-            eval_data = SFTDataset(cfg.eval_data, self.tokenizer, cfg.max_seq_len,
-                                   format=cfg.format, train_on_inputs=cfg.train_on_inputs,
-                                   split=cfg.eval_split, subset=cfg.data_subset,
-                                   split_flag="--eval-split")
+        cfg, objective = self.cfg, self.objective
+        train_data, eval_data = objective.build_data(self.tokenizer, train_data, eval_data)
         for what, data in (("training data", train_data), ("eval data", eval_data)):
             if data is not None:
-                _check_token_ids(data, vocab, what)
+                objective.check_token_ids(data, vocab, what)
                 if getattr(data, "num_dropped", 0):
                     self.log(f"note: {what}: {data.dropped_summary()}")
         if eval_data is None and cfg.eval_fraction > 0:
@@ -309,10 +274,8 @@ class Trainer:
         # under torchrun: global batches of batch_size rows per process, this process's rows
         loader = (partial(RankLoader, rank=par.rank, world_size=par.world_size) if par.launched
                   else PackedLoader)
-        self.loader = loader(train_data, cfg.batch_size, cfg.max_seq_len, seed=cfg.seed,
-                             shuffle=True)
-        self.eval_loader = (loader(eval_data, cfg.batch_size, cfg.max_seq_len, seed=cfg.seed,
-                                   shuffle=False)
+        self.loader = objective.make_loader(train_data, loader, shuffle=True)
+        self.eval_loader = (objective.make_loader(eval_data, loader, shuffle=False)
                             if eval_data is not None else None)
         per_epoch = max(1, len(self.loader) // cfg.grad_accum)
         self.total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * per_epoch))
@@ -377,270 +340,12 @@ class Trainer:
                     f"{self.cfg.get(key)}; resume with the same value (or start a new run "
                     f"in another --output)")
 
-    # --- one step ------------------------------------------------------------------------------
-    def _set_lr(self, step: int) -> float:
-        lr = self.cfg.lr * lr_factor(step, self.cfg.warmup_steps, self.total_steps,
-                                     self.cfg.schedule)
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
-        return lr
-
-    def train_step(self, micro_batches) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Forward/backward over the window, clip, step. Returns (loss sum, grad norm, tokens);
-        the tensors stay on the device (no host sync here). Under torchrun the loss and the
-        tokens are the global window's (dist/data.py), and gradients are reduced over the
-        processes after the window's last micro-batch (dist/parallel.py). With
-        --router-aux-loss-coef the router's load-balancing loss (its mean over the window:
-        `router_aux_loss`) is added, times the coefficient; the loss returned is the next-token
-        loss alone."""
-        n_target, n_real = window_tokens(micro_batches)
-        n_target = max(1, n_target)
-        scale = self.parallel.grad_scale
-        loss_total = torch.zeros((), device=self.device, dtype=torch.float32)
-        coef, aux_total = self.cfg.router_aux_loss_coef, None
-        for i, b in enumerate(micro_batches):
-            b = b.to(self.device)
-            with self.parallel.micro_batch(self.model, last=i == len(micro_batches) - 1):
-                out = self.forward_model(batch=b, loss_only=True)
-                loss = out.loss_sum / n_target
-                if out.aux_loss is not None:
-                    aux = out.aux_loss / len(micro_batches)
-                    loss = loss + coef * aux
-                    aux_total = aux.detach() if aux_total is None else aux_total + aux.detach()
-                if scale != 1:  # DDP and FSDP2 average over processes: the sum is wanted
-                    loss = loss * scale
-                (self.scaler.scale(loss) if self.scaler else loss).backward()
-            loss_total += out.loss_sum.detach()
-        self.parallel.sum_(loss_total)
-        self.router_aux_loss = aux_total
-        if self.scaler:
-            self.scaler.unscale_(self.optimizer)
-        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
-        grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
-        if self.scaler:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss_total / n_target, grad_norm, n_real
-
-    @torch.no_grad()
-    def evaluate(self) -> float | None:
-        if self.eval_loader is None:
-            return None
-        self.model.eval()
-        total = torch.zeros((), device=self.device, dtype=torch.float32)
-        n = 0
-        for batch in self.eval_loader:
-            total += self.model(batch=batch.to(self.device), loss_only=True).loss_sum
-            n += window_tokens([batch])[0]  # (under torchrun: the global batch's)
-        self.model.train()
-        return (self.parallel.sum_(total) / max(n, 1)).item()
-
-    def write_samples(self, progress) -> None:
-        """--sample-prompts: complete them with the model as it is now (samples.py)."""
-        if self.samples is not None:
-            first = self.samples.write(self.model, self.step)
-            progress.write(f"step {self.step}: sample: {' '.join(first.split())[:100]!r}")
-
-    # --- the loop ------------------------------------------------------------------------------
+    # --- what a run keeps ------------------------------------------------------------------------
     def run_settings(self) -> dict:
         """The settings this run trains with: its config and the engine options in effect
         (written to run_config.json and into every checkpoint)."""
         return {"config": asdict(self.cfg), "engine_options": self.engine_options.to_dict(),
                 "activations": self.activation_policy}
-
-    def train(self) -> TrainResult:
-        """Run to `total_steps`. With --overwrite the previous run is set aside first, deleted
-        at this run's first checkpoint, and put back if the run stops before it."""
-        if self.step >= self.total_steps:
-            return self._already_finished()
-        with signals.as_interrupts():
-            if self.parallel.writer:
-                self.run_folder.begin(overwrite=self.cfg.overwrite)
-            try:
-                return self._train()
-            except BaseException:
-                self.run_folder.restore()
-                raise
-
-    def _train(self) -> TrainResult:
-        cfg = self.cfg
-        writer = self.parallel.writer  # (under torchrun rank 0 alone writes and reports)
-        if writer:
-            atomic_write_json(self.output / RUN_CONFIG, self.run_settings())
-        if cfg.resume and writer:  # drop records a crash left after the checkpoint: redone
-            drop_metrics_after(self.output / "metrics.jsonl", self.step)
-            drop_metrics_after(self.output / SAMPLES, self.step)
-        # metrics.jsonl (+ --report-to)
-        metrics = open_reporting(cfg, start_step=self.step) if writer else NoMetrics()
-        progress = Progress(self.total_steps, initial=self.step, bar=cfg.progress,
-                            quiet=not writer)
-        last_loss, eval_loss = None, self.first_eval_loss
-        t_start = time.perf_counter()
-        tokens_run, start_step = 0, self.step
-        self.watch.good_until = self.step
-        step_start = None
-        try:
-            if self.first_eval_loss is None:
-                self.first_eval_loss = self.evaluate()
-                if self.first_eval_loss is not None:
-                    metrics.write({"step": self.step, "eval_loss": self.first_eval_loss})
-                    progress.write(f"eval loss before training: {self.first_eval_loss:.4f}")
-            if self.step == 0:
-                self.write_samples(progress)
-            batches = (batch for _, _, batch in self.loader.iter_batches())
-            if self.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(self.device)
-            while self.step < self.total_steps:
-                t0 = time.perf_counter()
-                # where this step starts: an interrupt before it ends checkpoints from here
-                step_start = (self.step, self.loader.state_dict(), _rng_state())
-                lr = self._set_lr(self.step)
-                window = [next(batches) for _ in range(cfg.grad_accum)]
-                loss, gnorm, ntok = self.train_step(window)
-                self.watch.observe(loss, gnorm)
-                self.step += 1
-                self.tokens_seen += ntok
-                tokens_run += ntok
-                record = None
-                if self.step % cfg.log_every == 0 or self.step == self.total_steps:
-                    # the one sync per logged step
-                    aux = [] if self.router_aux_loss is None else [self.router_aux_loss]
-                    (last_loss, grad_norm, *aux), bad, skipped = self.watch.read(
-                        self.step, loss, gnorm, *aux)  # (the aux loss in the same copy)
-                    dt = time.perf_counter() - t0
-                    elapsed = time.perf_counter() - t_start
-                    tok_s = tokens_run / max(elapsed, 1e-9)
-                    steps_run = self.step - start_step
-                    eta = (self.total_steps - self.step) * elapsed / max(steps_run, 1)
-                    record = {"step": self.step, "loss": last_loss, "lr": lr,
-                              "grad_norm": grad_norm, "tokens_per_s": tok_s,
-                              "step_time_s": dt, "tokens_seen": self.tokens_seen,
-                              "peak_mem_gib": peak_memory_gib(self.device)}
-                    if self.scaler is not None:
-                        record["skipped_steps"] = skipped
-                    if aux:
-                        record["router_aux_loss"] = aux[0]
-                    if bad:
-                        metrics.write(record)
-                        raise self._diverged(last_loss, grad_norm)
-                    progress.update(self.step, last_loss, tok_s, eta_s=eta)
-                if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < self.total_steps:
-                    eval_loss = self.evaluate()
-                    if eval_loss is not None:
-                        (record := record or {"step": self.step})["eval_loss"] = eval_loss
-                        progress.write(f"step {self.step}: eval loss {eval_loss:.4f}")
-                    self.write_samples(progress)
-                if record:
-                    metrics.write(record)
-                if (cfg.save_every and self.step % cfg.save_every == 0) \
-                        or self.step == self.total_steps:
-                    self.save_checkpoint()
-            eval_loss = self.evaluate() if self.eval_loader is not None else None
-            if eval_loss is not None:
-                metrics.write({"step": self.step, "eval_loss": eval_loss})
-                progress.write(f"step {self.step}: eval loss {eval_loss:.4f}")
-            self.write_samples(progress)
-            skipped = self.watch.read(self.step)[2]
-            if skipped:
-                progress.write(f"note: the fp16 loss scaler skipped {skipped} of "
-                               f"{self.step - start_step} updates (gradient overflow: it skips "
-                               "the update and lowers the scale, by design)")
-        except KeyboardInterrupt as interrupt:
-            try:
-                progress.close()
-                err = self._stopped(interrupt, start_step, step_start)
-            except KeyboardInterrupt:  # again, while checkpointing: stop now
-                err = self._stopped_again(interrupt)
-            raise err from None
-        finally:
-            progress.close()
-            metrics.close()
-        self.save_final()
-        elapsed = time.perf_counter() - t_start
-        if writer:
-            plot_after_training(self.output, self.log)
-            if cfg.merge_at_end:
-                merge_at_end(cfg, self.log)
-        return TrainResult(self.step, last_loss, self.first_eval_loss, eval_loss, self.output,
-                           tokens_run / max(elapsed, 1e-9), steps_run=self.step - start_step,
-                           skipped_steps=skipped)
-
-    def _stopped(self, interrupt: KeyboardInterrupt, start_step: int, step_start) -> LeantuneError:
-        """The one line for a Ctrl-C / SIGTERM: checkpoint what was trained, say how to go on."""
-        what = signals.describe(interrupt)
-        # no step finished: nothing worth a checkpoint; under torchrun the other processes may
-        # be anywhere in a step (in a collective, or stopped): none is written from here
-        if self.step == start_step or self.parallel.launched:
-            if self.run_folder.pending:
-                note = f"the previous run in {self.output} is put back as it was"
-            elif self.saved_step is not None:
-                note = (f"its checkpoint at step {self.saved_step} is unchanged; continue with "
-                        "the same command plus --resume")
-            else:
-                note = "nothing was saved; run the command again to start over"
-            when = ("before the first step finished" if self.step == start_step else
-                    f"at step {self.step} (under torchrun a stop writes no checkpoint; "
-                    "--save-every sets how often one is written)")
-            err = LeantuneError(f"{what} {when}; {note}")
-        else:
-            if step_start is not None and step_start[0] == self.step:
-                # interrupted mid-step: its batches were drawn and its dropout RNG used, but no
-                # update was counted; rewind both so --resume redoes the step exactly
-                self.loader.load_state_dict(step_start[1])
-                _set_rng_state(step_start[2])
-            path = self.save_checkpoint()
-            err = LeantuneError(f"{what} at step {self.step}; checkpoint saved to {path}; "
-                                "continue with the same command plus --resume")
-        err.exit_code = signals.exit_code(interrupt)
-        return err
-
-    def _stopped_again(self, interrupt: KeyboardInterrupt) -> LeantuneError:
-        """The one line for a second Ctrl-C / SIGTERM while the first one's checkpoint was
-        being written: that checkpoint is not there (a half-written one is never used)."""
-        last = latest_checkpoint(self.output)
-        note = (f"the previous run in {self.output} is put back as it was"
-                if self.run_folder.pending else
-                "there is no earlier one; run the command again to start over" if last is None
-                else f"--resume continues from {last}")
-        err = LeantuneError(f"{signals.describe(interrupt)} again while saving the checkpoint of "
-                            f"step {self.step}, so it was not saved; {note}")
-        err.exit_code = signals.exit_code(interrupt)
-        return err
-
-    def _diverged(self, loss: float | None = None, grad_norm: float | None = None
-                  ) -> LeantuneError:
-        """The one line for a NaN / inf: what to try; nothing of the diverged weights is kept.
-        `loss` and `grad_norm`: this step's, when it is the step that was read."""
-        if loss is not None and not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            what = f"the loss is {loss} and the gradient norm {grad_norm}"
-        else:
-            what = "the loss or the gradient norm became NaN or infinite"
-        first = self.watch.good_until + 1
-        steps = f"step {self.step}" if first >= self.step else f"steps {first}-{self.step}"
-        ckpt = None if self.run_folder.pending else latest_checkpoint(self.output)
-        kept = (f"the last good checkpoint {ckpt} is kept" if ckpt is not None
-                else "no checkpoint was written")
-        clip = (f"a lower --max-grad-norm (now {self.cfg.max_grad_norm})"
-                if self.cfg.max_grad_norm > 0 else "gradient clipping, --max-grad-norm 1.0")
-        result = "model" if self.cfg.full else "adapter"
-        return LeantuneError(f"{steps}: {what}: training diverged and stopped, and no final "
-                             f"{result} was written ({kept}); try a lower --lr (now "
-                             f"{self.cfg.lr:g}) or {clip}, in a new run (--overwrite)")
-
-    def _already_finished(self) -> TrainResult:
-        """`--resume` of a run that reached its last step: nothing to train. The final adapter
-        (or model) is written from the checkpoint if it is missing or older."""
-        self.log(f"{self.output}: the run already finished at step {self.step}; nothing to do "
-                 "(to train on, --resume with a larger --max-steps or --epochs)")
-        final = self.output / (FULL_INDEX if self.cfg.full else "adapter_model.safetensors")
-        ckpt = latest_checkpoint(self.output)
-        if not final.exists() or final.stat().st_mtime < ckpt.stat().st_mtime:
-            self.save_final()
-            self.log(f"wrote the final {'model' if self.cfg.full else 'adapter'} from {ckpt}")
-        return TrainResult(self.step, None, self.first_eval_loss, None, self.output, 0.0)
 
     def save_checkpoint(self) -> Path:
         """Checkpoint this step (once), and settle --overwrite: the previous run is deleted."""
@@ -687,31 +392,6 @@ def budget_message(cfg: TrainConfig, budget: float, e) -> str:
             "--max-memory-gib, or lower --batch-size or --max-seq-len")
 
 
-def drop_metrics_after(path: Path, step: int) -> None:
-    """Keep only the records of steps <= `step` in metrics.jsonl (resuming from `step`)."""
-    if not path.exists():
-        return
-    lines = path.read_text().splitlines(keepends=True)
-    keep = []
-    for line in lines:
-        try:
-            if json.loads(line).get("step", 0) > step:
-                continue
-        except (ValueError, AttributeError):
-            continue  # a line cut short by the crash
-        keep.append(line if line.endswith("\n") else line + "\n")
-    if len(keep) != len(lines):
-        atomic_write_text(path, "".join(keep))
-
-
-def peak_memory_gib(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB (Linux)
-
-
 def resolve_device(name: str | None) -> torch.device:
     """--device as a torch.device this machine has; default cuda when available, else cpu."""
     if not name:
@@ -728,22 +408,6 @@ def resolve_device(name: str | None) -> torch.device:
             raise LeantuneError(f"--device {name}: torch sees only {torch.cuda.device_count()} "
                                 "CUDA GPU(s), numbered from 0")
     return device
-
-
-def _check_token_ids(data, vocab: int, what: str) -> None:
-    """Every token id must index the model's embedding (an id past it would read outside the
-    table): one line naming the document otherwise."""
-    for i in range(len(data)):
-        ids = data[i][0]
-        if not len(ids):
-            continue
-        hi, lo = max(ids), min(ids)
-        if hi >= vocab or lo < 0:
-            bad = hi if hi >= vocab else lo
-            raise LeantuneError(
-                f"{what}: document {i} holds token id {bad}, outside the model's vocabulary "
-                f"(0..{vocab - 1}); the tokenizer does not match the model (check --model), or "
-                f"the ids were made for another vocabulary")
 
 
 def load_tokenizer(model: str | None):

@@ -1,6 +1,8 @@
 """The Objective interface: the part of a training run that differs between SFT, DPO, GRPO...
 
-The step runner calls, per optimizer step over a window of micro-batches:
+The step runner (train/runner.py) calls `objective.prepare(model, train_loader, parallel)` once
+before the first step of each run (a fresh one, and each resume), then per optimizer step over a
+window of micro-batches:
 
     n = objective.normaliser(window)                 # host int (the global window's)
     for b in window:
@@ -57,6 +59,13 @@ class Objective:
     def check_token_ids(self, data, vocab: int, what: str) -> None:
         """Every token id must index the embedding: one line naming the row otherwise."""
 
+    # --- before training ---------------------------------------------------------------------
+    def prepare(self, model, train_loader, parallel) -> None:
+        """Called by the runner once before the first step, and again when a run resumes (a new
+        process): work over the data that precedes training, e.g. a preference objective's
+        reference log-probs. `model` is the unwrapped model in train mode; `train_loader` is
+        at the run's position (resumed: the checkpoint's). Default: nothing."""
+
     # --- the loss --------------------------------------------------------------------------
     def normaliser(self, micro_batches) -> int:
         """Units of the whole (global) window: the loss sums are divided by it."""
@@ -86,8 +95,8 @@ class Objective:
                                                          for k in self.metric_names])
             total = vals if total is None else total + vals
             n += self.normaliser([batch])
-        if total is None:
-            return {}
+        if total is None:  # no batches (every process has as many: the sum below still meets)
+            total = torch.zeros(1 + len(self.metric_names), device=parallel.device)
         vals = (parallel.sum_(total) / max(n, 1)).tolist()
         return {"eval_loss": vals[0], **{f"eval_{k}": v
                                          for k, v in zip(self.metric_names, vals[1:])}}

@@ -8,6 +8,9 @@ code 130 or 143 (a run checkpoints first).
 from __future__ import annotations
 
 import argparse
+import difflib
+import errno
+import os
 import sys
 from pathlib import Path
 
@@ -482,10 +485,47 @@ def main(argv: list[str] | None = None) -> int:
             return e.exit_code
         except KeyboardInterrupt as e:  # before a run started, or in an export: nothing written
             return _interrupted(e)
-        except Exception:
+        except Exception as e:
             if signals.received():
                 return _interrupted(signals.received())
-            raise
+            message = _disk_fault(e)
+            if message is None:
+                raise
+            if env_rank() == 0:
+                try:
+                    print(f"leantune: error: {message}", file=sys.stderr)
+                except OSError:
+                    pass  # stderr is gone too: the exit code says it
+            return 2
+
+
+# what a disk fault mid-command leaves: every write is a temporary file renamed into place
+FAULT_NOTE = "the command stopped; the files it had written before are intact"
+
+
+def _disk_fault(e: BaseException) -> str | None:
+    """The one line for a disk fault (full, read-only, a file in the way, a closed stdout pipe)
+    that reached the top of a command; None for any other error."""
+    from .utils.paths import disk_error_message, os_error_of
+
+    err = os_error_of(e)
+    message = disk_error_message(err) if err is not None else None
+    if message is None:
+        return None
+    if err.errno == errno.EPIPE:
+        _silence_stdout()
+    return f"{message}; {FAULT_NOTE}"
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null: its reader is gone, and the interpreter's last flush must
+    not fail again (a second 'Broken pipe' after the one line)."""
+    try:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, sys.stdout.fileno())
+        os.close(fd)
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def _interrupted(interrupt: KeyboardInterrupt) -> int:

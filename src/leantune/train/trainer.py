@@ -54,7 +54,7 @@ from .merge_at_end import check_merge_at_end, merge_at_end
 from .metrics import NoMetrics, Progress
 from .output import FULL_INDEX, RUN_CONFIG, RunFolder
 from .plot import plot_after_training
-from .preflight import check_weights, locate_model
+from .preflight import check_settings, check_weights, locate_model
 from .reporting import check_report_to, open_reporting
 from .samples import SAMPLES, SampleWriter
 from .schedule import lr_factor
@@ -151,6 +151,8 @@ class Trainer:
                 raise LeantuneError("no model given: set --model (a checkpoint folder or a hub "
                                     "id)")
             model_dir = locate_model(cfg.model)  # config and tokenizer; weights later
+        check_settings(cfg, model.config if model is not None else
+                       ModelConfig.from_file(model_dir / "config.json"), self.device)
         check_output_folder(self.output, {"model": model_dir})
         self.run_folder = RunFolder(self.output, self.log)
         if self.parallel.writer:  # (the other processes learn of an error through `agreeing`)

@@ -526,6 +526,10 @@ class Trainer:
                     if bad:
                         metrics.write(record)
                         raise self._diverged(last_loss, grad_norm)
+                    stalled = self.watch.stall.check(self.step, cfg, warn=progress.write)
+                    if stalled:  # health.StallWatch: the gradient norm stuck at exactly 0
+                        metrics.write(record)
+                        raise stalled
                     progress.update(self.step, last_loss, tok_s, eta_s=eta)
                 if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < self.total_steps:
                     eval_loss = self.evaluate()

@@ -147,7 +147,7 @@ def diverged_advice(cfg) -> str:
         return (f"--weight-decay {wd:g} is far too high: each step scales the weights by "
                 f"1 - lr x weight decay = {1 - lr * wd:.3g}, which makes them overflow; use "
                 "0.01 to 0.1 (or 0)")
-    clip = (f"a lower --max-grad-norm (now {cfg.max_grad_norm:g})" if cfg.max_grad_norm > 0
+    clip = (f"a lower --max-grad-norm (now {cfg.max_grad_norm})" if cfg.max_grad_norm > 0
             else "gradient clipping, --max-grad-norm 1.0")
     high = (f"; --weight-decay {wd:g} is also unusually high (0.01 to 0.1 are usual)"
             if wd > 1 else "")

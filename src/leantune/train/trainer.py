@@ -49,7 +49,7 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .config import TrainConfig
-from .health import NonFiniteWatch
+from .health import NonFiniteWatch, diverged_advice
 from .merge_at_end import check_merge_at_end, merge_at_end
 from .metrics import NoMetrics, Progress
 from .output import FULL_INDEX, RUN_CONFIG, RunFolder
@@ -627,12 +627,10 @@ class Trainer:
         ckpt = None if self.run_folder.pending else latest_checkpoint(self.output)
         kept = (f"the last good checkpoint {ckpt} is kept" if ckpt is not None
                 else "no checkpoint was written")
-        clip = (f"a lower --max-grad-norm (now {self.cfg.max_grad_norm})"
-                if self.cfg.max_grad_norm > 0 else "gradient clipping, --max-grad-norm 1.0")
         result = "model" if self.cfg.full else "adapter"
         return LeantuneError(f"{steps}: {what}: training diverged and stopped, and no final "
-                             f"{result} was written ({kept}); try a lower --lr (now "
-                             f"{self.cfg.lr:g}) or {clip}, in a new run (--overwrite)")
+                             f"{result} was written ({kept}); {diverged_advice(self.cfg)}, in "
+                             "a new run (--overwrite)")
 
     def _already_finished(self) -> TrainResult:
         """`--resume` of a run that reached its last step: nothing to train. The final adapter

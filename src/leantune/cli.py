@@ -385,13 +385,46 @@ RENAMED_FLAGS = {"--checkpointing": "--activations (its value none is now keep)"
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with one-line errors: the message and where to look, not the whole usage."""
+    """argparse with one-line errors: the message and where to look, not the whole usage. No
+    abbreviations (`--max-seq 64` would silently set --max-seq-len, and a later flag starting
+    the same way would change its meaning), and an unknown flag names the nearest one."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)  # (subparsers are made through this too)
+        super().__init__(*args, **kwargs)
+
+    def parse_args(self, args=None, namespace=None):
+        args, extras = self.parse_known_args(args, namespace)
+        if extras:
+            parser = self._command_parser(getattr(args, "command", None))
+            parser.error(unknown_arguments(extras, parser))
+        return args
+
+    def _command_parser(self, command: str | None) -> argparse.ArgumentParser:
+        """The subcommand's parser (its flags are the ones to suggest), else this one."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+                return action.choices[command]
+        return self
 
     def error(self, message: str):
         for old, new in RENAMED_FLAGS.items():
             if old in message:
                 message += f"; {old} is now {new}"
         self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
+
+
+def unknown_arguments(extras: list[str], parser: argparse.ArgumentParser) -> str:
+    """argparse's "unrecognized arguments" line, with the nearest flag of `parser` for each
+    unknown one (abbreviations are refused: their full name is suggested)."""
+    from .utils.suggest import did_you_mean
+
+    flags = [o for o in parser._option_string_actions if o.startswith("--")]
+    hints = [f"{e.split('=', 1)[0]}{did_you_mean(e.split('=', 1)[0], flags)}"
+             for e in extras if e.startswith("--")]
+    hints = [h.replace("; did you mean", ": did you mean") for h in hints if "did you mean" in h]
+    return f"unrecognized arguments: {' '.join(extras)}" + (f" ({'; '.join(hints)})" if hints
+                                                             else "")
 
 
 def build_parser() -> argparse.ArgumentParser:

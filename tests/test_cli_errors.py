@@ -83,3 +83,17 @@ def test_an_unknown_yaml_key_names_the_nearest(tmp_path, text, hint):
         load_yaml_config(str(cfg))
     assert str(e.value) == (f"{cfg}: unknown option {hint}; options are the `leantune train` "
                             "flags without the leading dashes")
+
+
+def test_every_argument_parser_in_the_repository_refuses_abbreviations():
+    """The benchmarks and tools too: a source scan for parsers built without the setting."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    files = [f for d in ("src", "bench", "tools") for f in (root / d).rglob("*.py")]
+    made = [(f, m) for f in files for m in re.finditer(r"ArgumentParser\(([^)]*)",
+                                                       f.read_text())]
+    assert len(made) >= 10
+    assert not [f"{f}: {m.group(0)}" for f, m in made if "allow_abbrev=False" not in m.group(1)
+                and "self" not in m.group(1) and "*args" not in m.group(1)]

@@ -105,7 +105,7 @@ def print_table(title: str, rows) -> None:
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--shape", default="llama-3.1-8b")
     ap.add_argument("--policy", default="auto@17", help="--activations value, or auto@GiB")
     ap.add_argument("--parallel", choices=["ddp", "fsdp"], default="ddp")

@@ -21,7 +21,7 @@ import leantune  # noqa: E402
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="llama-3.2-1b")
     p.add_argument("--device", default="cuda")
     p.add_argument("--new", type=int, default=32)

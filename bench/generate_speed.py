@@ -100,7 +100,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="llama-3.1-8b")
     p.add_argument("--device", default="cuda")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16])

@@ -75,9 +75,10 @@ def main():
     import transformers
     import triton
 
-    ap = argparse.ArgumentParser(description="GPU correctness checks (bf16/fp32): kernels vs "
-                                 "reference ops, fused layer vs autograd, host-memory embedding, "
-                                 "MoE; one JSON line each")
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False,
+        description="GPU correctness checks (bf16/fp32): kernels vs reference ops, fused layer vs "
+                    "autograd, host-memory embedding, MoE; one JSON line each")
     ap.add_argument("--moe", action="store_true", help="the MoE checks only")
     args = ap.parse_args()
 

@@ -19,7 +19,8 @@ from pathlib import Path
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description="token_logprobs: Triton vs full-logits reference")
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False, description="token_logprobs: Triton vs full-logits reference")
     ap.add_argument("--dry-run", action="store_true",
                     help="tiny shapes on the CPU through the Triton interpreter")
     ap.add_argument("--tokens", type=int, default=8192)

@@ -160,7 +160,7 @@ def run(shape: str, steps: int, device: torch.device, seq_len: int, batch: int, 
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--shape", nargs="+", default=["llama-3.2-1b", "llama-3.1-8b"])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--seq-len", type=int, default=2048)

@@ -68,7 +68,7 @@ def replay(trace, start_bytes: int, points: int = 24):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="llama-3.1-8b")
     ap.add_argument("--policies", nargs="+", default=["auto@17"])
     ap.add_argument("--rows", type=int, default=4)

@@ -366,7 +366,7 @@ def print_e2e(rows: list[dict]) -> None:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--parts", nargs="+", choices=["routing", "e2e"], default=["routing", "e2e"])
     ap.add_argument("--routing-shape", choices=list(ROUTING), default="qwen3-30b-a3b")

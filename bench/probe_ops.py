@@ -205,7 +205,7 @@ PARTS = {"cudnn": "cudnn_ops", "packed": "packed_widths",
 def main():
     import argparse
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("parts", nargs="*", metavar="PART", default=list(PARTS),
                     help=f"which measurements, of {list(PARTS)} (default: all)")
     args = ap.parse_args()

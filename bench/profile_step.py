@@ -251,7 +251,7 @@ def attention_backends(device, B=4, T=2048, Hq=32, Hk=8, D=128):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--shape", nargs="+", default=["llama-3.1-8b"])
     ap.add_argument("--policies", nargs="+", default=["recompute"],
                     help="as bench/speed.py's (auto@GiB, offload:N, +keepall:M, ...)")

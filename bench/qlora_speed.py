@@ -326,7 +326,7 @@ def bench_shape(shape: str, args, device) -> None:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", nargs="+", default=["llama-3.1-8b"])
     ap.add_argument("--nf4", nargs="+", help="leantune NF4 policies (default: by shape)")
     ap.add_argument("--bf16", nargs="+", help="leantune bf16 policies (default: by shape; none)")

@@ -114,7 +114,7 @@ def bench_hf(shape, batch, warmup, steps, device):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--shape", nargs="+", default=["llama-3.2-1b", "llama-3.1-8b"])
     ap.add_argument("--policies", nargs="+", default=["recompute"],
                     help="leantune policies to time: recompute | offload | keep | auto@GiB | "

@@ -8,6 +8,9 @@ code 130 or 143 (a run checkpoints first).
 from __future__ import annotations
 
 import argparse
+import difflib
+import errno
+import os
 import sys
 from pathlib import Path
 
@@ -395,13 +398,46 @@ RENAMED_FLAGS = {"--checkpointing": "--activations (its value none is now keep)"
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with one-line errors: the message and where to look, not the whole usage."""
+    """argparse with one-line errors: the message and where to look, not the whole usage. No
+    abbreviations (`--max-seq 64` would silently set --max-seq-len, and a later flag starting
+    the same way would change its meaning), and an unknown flag names the nearest one."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)  # (subparsers are made through this too)
+        super().__init__(*args, **kwargs)
+
+    def parse_args(self, args=None, namespace=None):
+        args, extras = self.parse_known_args(args, namespace)
+        if extras:
+            parser = self._command_parser(getattr(args, "command", None))
+            parser.error(unknown_arguments(extras, parser))
+        return args
+
+    def _command_parser(self, command: str | None) -> argparse.ArgumentParser:
+        """The subcommand's parser (its flags are the ones to suggest), else this one."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+                return action.choices[command]
+        return self
 
     def error(self, message: str):
         for old, new in RENAMED_FLAGS.items():
             if old in message:
                 message += f"; {old} is now {new}"
         self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
+
+
+def unknown_arguments(extras: list[str], parser: argparse.ArgumentParser) -> str:
+    """argparse's "unrecognized arguments" line, with the nearest flag of `parser` for each
+    unknown one (abbreviations are refused: their full name is suggested)."""
+    from .utils.suggest import did_you_mean
+
+    flags = [o for o in parser._option_string_actions if o.startswith("--")]
+    hints = [f"{e.split('=', 1)[0]}{did_you_mean(e.split('=', 1)[0], flags)}"
+             for e in extras if e.startswith("--")]
+    hints = [h.replace("; did you mean", ": did you mean") for h in hints if "did you mean" in h]
+    return f"unrecognized arguments: {' '.join(extras)}" + (f" ({'; '.join(hints)})" if hints
+                                                             else "")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -495,10 +531,47 @@ def main(argv: list[str] | None = None) -> int:
             return e.exit_code
         except KeyboardInterrupt as e:  # before a run started, or in an export: nothing written
             return _interrupted(e)
-        except Exception:
+        except Exception as e:
             if signals.received():
                 return _interrupted(signals.received())
-            raise
+            message = _disk_fault(e)
+            if message is None:
+                raise
+            if env_rank() == 0:
+                try:
+                    print(f"leantune: error: {message}", file=sys.stderr)
+                except OSError:
+                    pass  # stderr is gone too: the exit code says it
+            return 2
+
+
+# what a disk fault mid-command leaves: every write is a temporary file renamed into place
+FAULT_NOTE = "the command stopped; the files it had written before are intact"
+
+
+def _disk_fault(e: BaseException) -> str | None:
+    """The one line for a disk fault (full, read-only, a file in the way, a closed stdout pipe)
+    that reached the top of a command; None for any other error."""
+    from .utils.paths import disk_error_message, os_error_of
+
+    err = os_error_of(e)
+    message = disk_error_message(err) if err is not None else None
+    if message is None:
+        return None
+    if err.errno == errno.EPIPE:
+        _silence_stdout()
+    return f"{message}; {FAULT_NOTE}"
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null: its reader is gone, and the interpreter's last flush must
+    not fail again (a second 'Broken pipe' after the one line)."""
+    try:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, sys.stdout.fileno())
+        os.close(fd)
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def _interrupted(interrupt: KeyboardInterrupt) -> int:

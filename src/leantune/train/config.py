@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..engine.options import EngineOptions
 from ..errors import LeantuneError
+from ..utils.suggest import did_you_mean
 
 
 @dataclass
@@ -337,8 +338,10 @@ def load_yaml_config(path: str) -> dict:
             raise LeantuneError(f"{p}: option {k!r} is now 'activations' (auto, keep, recompute "
                                 "or offload; none is now keep)")
         if key not in TrainConfig.keys():
-            raise LeantuneError(f"{p}: unknown option {k!r}; options are the `leantune train` "
-                                "flags without the leading dashes")
+            names = [n.replace("_", "-") if "-" in str(k) else n for n in TrainConfig.keys()]
+            raise LeantuneError(f"{p}: unknown option {k!r}{did_you_mean(str(k), names, True)}; "
+                                "options are the `leantune train` flags without the leading "
+                                "dashes")
         if key in SECTIONS and (isinstance(v, dict) or key != "objective"):
             out[key] = _coerce_section(p, k, key, v)
             continue

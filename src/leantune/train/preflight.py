@@ -1,5 +1,5 @@
-"""Checks of a checkpoint that read no weights: config.json and the safetensors headers (a few
-KiB per shard). Run before a training run touches its output folder, so that a truncated shard
+"""Checks that read no weights: the flags against config.json (`check_settings`), and the
+checkpoint itself, config.json and the safetensors headers (a few KiB per shard). Run before a training run touches its output folder, so that a truncated shard
 or a config that does not match its weights fails in a second, not after minutes of loading."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import LeantuneError
 from ..model.config import ModelConfig
 from ..model.loader import (CHECKPOINT_PATTERNS, bnb_compute_dtype, bnb_quant_states,
                             plan_checkpoint, read_headers, resolve_checkpoint,
@@ -45,3 +46,54 @@ def locate_model(name: str) -> Path:
         except Exception:
             pass  # not a hub id, or not reachable: resolve_checkpoint says which
     return resolve_checkpoint(name)
+
+
+def check_settings(cfg, model_config: ModelConfig, device: torch.device) -> None:
+    """Flags that make no sense for this model or device, refused in one line before any weight
+    loads (from config.json alone: the model is built on the meta device, which allocates
+    nothing):
+    - --max-memory-gib budgets GPU memory for the auto activation plan: on the CPU, or with
+      --activations other than auto, it would be silently ignored;
+    - --lora-targets experts on a dense model (no mixture-of-experts layers);
+    - --lora-r above the width of a targeted projection (min of its inputs and outputs): the
+      update B @ A of an [out, in] weight has rank at most that width, so the extra rank is
+      only memory and time."""
+    if cfg.max_memory_gib is not None:
+        if device.type != "cuda":
+            raise LeantuneError(f"--max-memory-gib {cfg.max_memory_gib:g} budgets GPU memory, "
+                                f"and this run is on the {device.type.upper()} ({device}); "
+                                "leave it out, or train on a GPU (--device cuda)")
+        if cfg.activations != "auto":
+            raise LeantuneError(f"--max-memory-gib budgets the plan --activations auto picks, "
+                                f"and this run keeps --activations {cfg.activations}; leave "
+                                "one of them out")
+    if cfg.full:
+        return
+    from ..lora.config import EXPERTS, expert_layers, lora_layers, normalize_targets
+
+    targets = normalize_targets(cfg.lora.targets)
+    name = cfg.model or "the model"
+    if EXPERTS in targets and model_config.moe is None:
+        raise LeantuneError(f"--lora-targets experts: {name} is a dense model "
+                            f"({model_config.model_type}, no mixture-of-experts layers), so it "
+                            "has no experts; leave experts out of --lora-targets")
+    with torch.device("meta"):
+        model = CausalLM(model_config)
+    widths = []  # (width, projection, its --lora-targets name, inputs, outputs)
+    for qualified, layer in lora_layers(model, targets):
+        proj = qualified.rsplit(".", 1)[-1]
+        widths.append((min(layer.in_features, layer.out_features), proj,
+                       proj.removesuffix("_proj"), layer.in_features, layer.out_features))
+    if EXPERTS in targets:
+        for _, experts in expert_layers(model):
+            for proj in experts.PROJECTIONS:
+                n_in, n_out = experts.in_out(proj)
+                widths.append((min(n_in, n_out), f"the experts' {proj}", EXPERTS, n_in, n_out))
+    if not widths:
+        return  # (apply_lora says that none of the targets is there)
+    width, proj, target, n_in, n_out = min(widths)
+    if cfg.lora.r > width:
+        raise LeantuneError(f"--lora-r {cfg.lora.r} is above the width of {proj} ({n_in} inputs, "
+                            f"{n_out} outputs): its LoRA update has rank at most {width}, so "
+                            f"the rest is only memory and time; use --lora-r {width} or less"
+                            f" (or leave {target} out of --lora-targets)")

@@ -41,6 +41,7 @@ from ..errors import LeantuneError
 from ..utils import signals
 from ..utils.io import atomic_write_json, atomic_write_text
 from .checkpoint import _rng_state, _set_rng_state, latest_checkpoint
+from .health import diverged_advice
 from .merge_at_end import merge_at_end
 from .metrics import NoMetrics, Progress
 from .output import FULL_INDEX, RUN_CONFIG
@@ -226,6 +227,10 @@ class StepRunner:
                     if bad:
                         metrics.write(record)
                         raise self._diverged(last_loss, grad_norm)
+                    stalled = self.watch.stall.check(self.step, cfg, warn=progress.write)
+                    if stalled:  # health.StallWatch: the gradient norm stuck at exactly 0
+                        metrics.write(record)
+                        raise stalled
                     progress.update(self.step, last_loss, tok_s, eta_s=eta,
                                     **({"metrics": values} if values else {}))
                 if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < self.total_steps:
@@ -326,12 +331,10 @@ class StepRunner:
         ckpt = None if self.run_folder.pending else latest_checkpoint(self.output)
         kept = (f"the last good checkpoint {ckpt} is kept" if ckpt is not None
                 else "no checkpoint was written")
-        clip = (f"a lower --max-grad-norm (now {self.cfg.max_grad_norm})"
-                if self.cfg.max_grad_norm > 0 else "gradient clipping, --max-grad-norm 1.0")
         result = "model" if self.cfg.full else "adapter"
         return LeantuneError(f"{steps}: {what}: training diverged and stopped, and no final "
-                             f"{result} was written ({kept}); try a lower --lr (now "
-                             f"{self.cfg.lr:g}) or {clip}, in a new run (--overwrite)")
+                             f"{result} was written ({kept}); {diverged_advice(self.cfg)}, in "
+                             "a new run (--overwrite)")
 
     def _already_finished(self) -> TrainResult:
         """`--resume` of a run that reached its last step: nothing to train. The final adapter

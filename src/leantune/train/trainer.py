@@ -34,7 +34,7 @@ from .health import NonFiniteWatch
 from .merge_at_end import check_merge_at_end
 from .objectives import objective_for
 from .output import RunFolder
-from .preflight import check_weights, locate_model
+from .preflight import check_settings, check_weights, locate_model
 from .reporting import check_report_to
 from .runner import StepRunner, TrainResult, drop_metrics_after, peak_memory_gib  # noqa: F401
 from .samples import SampleWriter
@@ -120,6 +120,8 @@ class Trainer(StepRunner):
                 raise LeantuneError("no model given: set --model (a checkpoint folder or a hub "
                                     "id)")
             model_dir = locate_model(cfg.model)  # config and tokenizer; weights later
+        check_settings(cfg, model.config if model is not None else
+                       ModelConfig.from_file(model_dir / "config.json"), self.device)
         check_output_folder(self.output, {"model": model_dir})
         self.run_folder = RunFolder(self.output, self.log)
         if self.parallel.writer:  # (the other processes learn of an error through `agreeing`)

@@ -1,0 +1,24 @@
+"""The nearest known name to a mistyped one (a flag, a config key), for one-line errors."""
+
+from __future__ import annotations
+
+import difflib
+
+
+def nearest(word: str, names, n: int = 1) -> list[str]:
+    """Up to `n` of `names` closest to `word`: those it abbreviates (`--max-seq` ->
+    `--max-seq-len`) first, then the closest spellings (difflib, ratio >= 0.7; `_` and `-`
+    count as the same)."""
+    names = sorted(set(names))
+    word = word.replace("_", "-") if any("-" in name for name in names) else word
+    starts = [name for name in names if name.startswith(word) and name != word]
+    close = difflib.get_close_matches(word, names, n=n, cutoff=0.7)
+    return list(dict.fromkeys([*starts, *close]))[:n]
+
+
+def did_you_mean(word: str, names, quote: bool = False) -> str:
+    """"; did you mean X?" for the nearest of `names`, or "" when none is near."""
+    found = nearest(word, names)
+    if not found:
+        return ""
+    return f"; did you mean {found[0]!r}?" if quote else f"; did you mean {found[0]}?"

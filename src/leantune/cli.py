@@ -216,7 +216,7 @@ def cmd_generate(args) -> int:
 
     from .generate import generate
     from .generate.load import locate
-    from .generate.prompts import prompt_ids, read_prompt_file
+    from .generate.prompts import prompt_ids, read_prompt_file, typed_prompt
     from .utils.io import atomic_path
 
     kw = _sampling_kw(args)
@@ -231,11 +231,19 @@ def cmd_generate(args) -> int:
         raise LeantuneError(f"{out}: --output is the --prompts file; choose another file")
     rows = (read_prompt_file(args.prompts) if args.prompts
             else [({"prompt": args.prompt}, args.prompt, "--prompt")])
+    if args.prompts and args.prompt_format:
+        raise LeantuneError("--prompt-format applies to --prompt; with --prompts each row says "
+                            "it: 'messages' rows use the chat template, alpaca rows its prompt")
+    if args.chat_template is not None and args.prompt_format:
+        raise LeantuneError("give --prompt-format or --chat-template / --no-chat-template, not "
+                            "both (--chat-template is --prompt-format chat)")
     src = locate(args.model, args.adapter, args.device, args.dtype, log=_note)
     tokenizer = src.tokenizer
-    if not args.prompts and (args.chat_template or (args.chat_template is None
-                                                    and tokenizer.chat_template)):
-        rows = [(rows[0][0], [{"role": "user", "content": args.prompt}], "--prompt")]
+    if not args.prompts:
+        asked = ({True: "chat", False: "text"}[args.chat_template]
+                 if args.chat_template is not None else args.prompt_format)
+        rows = [(rows[0][0], typed_prompt(args.prompt, src.prompt_format(asked, log=_note)),
+                 "--prompt")]
     ids = [prompt_ids(tokenizer, prompt, where) for _, prompt, where in rows]  # before weights
     done = generate(src.load(), tokenizer, ids, batch_size=args.batch_size,
                     cuda_graphs=args.cuda_graphs, log=_note, **kw)
@@ -258,11 +266,14 @@ def cmd_generate(args) -> int:
 def cmd_chat(args) -> int:
     from .generate.chat import chat
     from .generate.load import locate
+    from .generate.prompts import typed_prompt
 
     kw = _sampling_kw(args)
     src = locate(args.model, args.adapter, args.device, args.dtype, log=_note)
+    fmt = src.prompt_format(args.prompt_format, log=_note)
+    typed_prompt("", fmt, args.system)  # --system without a chat template: before the weights
     chat(src.load(), src.tokenizer, system=args.system, cuda_graphs=args.cuda_graphs, log=_note,
-         **kw)
+         prompt_format=fmt, **kw)
     return 0
 
 
@@ -303,6 +314,9 @@ def _generation_flags(p, stop: bool = True) -> None:
     if stop:
         a("--stop", action="append", metavar="STR",
           help="end a completion at this text (repeat for more); EOS ids always end it")
+    a("--prompt-format", choices=["auto", "chat", "alpaca", "text"],
+      help="how a typed prompt is put to the model: auto (default): as the run was trained "
+           "(its run_config.json), else the chat template when the tokenizer has one")
     a("--device", help="cuda, cuda:1, cpu (default: cuda if available)")
     a("--dtype", choices=["bfloat16", "float16", "float32"], help="default: by device")
     a("--no-cuda-graphs", dest="cuda_graphs", action="store_false",

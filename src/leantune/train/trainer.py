@@ -447,7 +447,9 @@ class Trainer:
         """The settings this run trains with: its config and the engine options in effect
         (written to run_config.json and into every checkpoint)."""
         return {"config": asdict(self.cfg), "engine_options": self.engine_options.to_dict(),
-                "activations": self.activation_policy}
+                "activations": self.activation_policy,
+                # the detected data format: generate/chat ask in the layout trained on
+                "data_format": getattr(getattr(self, "train_data", None), "format", None)}
 
     def train(self) -> TrainResult:
         """Run to `total_steps`. With --overwrite the previous run is set aside first, deleted

@@ -223,6 +223,12 @@ def cmd_generate(args) -> int:
     if args.prompts and args.chat_template is not None:
         raise LeantuneError("--chat-template / --no-chat-template apply to --prompt; with "
                             "--prompts each row says it: 'messages' rows use the chat template")
+    if args.prompts and args.prompt_format:
+        raise LeantuneError("--prompt-format applies to --prompt; with --prompts each row says "
+                            "it: 'messages' rows use the chat template, alpaca rows its prompt")
+    if args.chat_template is not None and args.prompt_format:
+        raise LeantuneError("give --prompt-format or --chat-template / --no-chat-template, not "
+                            "both (--chat-template is --prompt-format chat)")
     out = Path(args.output) if args.output else None
     if out is not None and out.exists() and not args.overwrite:
         raise LeantuneError(f"{out}: output file exists; choose another --output or pass "
@@ -231,12 +237,6 @@ def cmd_generate(args) -> int:
         raise LeantuneError(f"{out}: --output is the --prompts file; choose another file")
     rows = (read_prompt_file(args.prompts) if args.prompts
             else [({"prompt": args.prompt}, args.prompt, "--prompt")])
-    if args.prompts and args.prompt_format:
-        raise LeantuneError("--prompt-format applies to --prompt; with --prompts each row says "
-                            "it: 'messages' rows use the chat template, alpaca rows its prompt")
-    if args.chat_template is not None and args.prompt_format:
-        raise LeantuneError("give --prompt-format or --chat-template / --no-chat-template, not "
-                            "both (--chat-template is --prompt-format chat)")
     src = locate(args.model, args.adapter, args.device, args.dtype, log=_note)
     tokenizer = src.tokenizer
     if not args.prompts:
@@ -270,7 +270,7 @@ def cmd_chat(args) -> int:
 
     kw = _sampling_kw(args)
     src = locate(args.model, args.adapter, args.device, args.dtype, log=_note)
-    fmt = src.prompt_format(args.prompt_format, log=_note)
+    fmt = src.prompt_format(args.prompt_format, log=_note, untrained="chat")
     typed_prompt("", fmt, args.system)  # --system without a chat template: before the weights
     chat(src.load(), src.tokenizer, system=args.system, cuda_graphs=args.cuda_graphs, log=_note,
          prompt_format=fmt, **kw)

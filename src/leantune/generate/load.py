@@ -59,12 +59,14 @@ class Located:
     tokenizer: object
     trained_format: str | None = None  # "chat" | "alpaca" | "text": the run's, when it says
 
-    def prompt_format(self, requested: str | None = None, log=print) -> str:
+    def prompt_format(self, requested: str | None = None, log=print,
+                      untrained: str | None = None) -> str:
         """The prompt format typed prompts take (--prompt-format `requested`, else the run's,
-        else the tokenizer's default), said in one note when it comes from the run."""
+        else `untrained` or the tokenizer's default: prompts.resolve_prompt_format), said in
+        one note when it comes from the run."""
         from .prompts import DESCRIBE, resolve_prompt_format
 
-        fmt = resolve_prompt_format(requested, self.trained_format, self.tokenizer)
+        fmt = resolve_prompt_format(requested, self.trained_format, self.tokenizer, untrained)
         if (requested in (None, "auto")) and self.trained_format:
             log(f"prompt format: {DESCRIBE[fmt]} ({fmt}), as the run was trained "
                 "(--prompt-format overrides)")

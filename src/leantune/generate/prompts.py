@@ -89,9 +89,12 @@ def trained_prompt_format(*folders) -> str | None:
     return None
 
 
-def resolve_prompt_format(requested: str | None, trained: str | None, tokenizer) -> str:
+def resolve_prompt_format(requested: str | None, trained: str | None, tokenizer,
+                          untrained: str | None = None) -> str:
     """The prompt format typed prompts take: `requested` (--prompt-format) unless "auto" or None,
-    else the run's (`trained`), else the chat template when the tokenizer has one, else text."""
+    else the run's (`trained`), else `untrained` when given (chat: "chat", so a model without a
+    template is refused rather than chatted with as plain text), else the chat template when the
+    tokenizer has one, else text."""
     if requested and requested != "auto":
         if requested not in PROMPT_FORMATS:
             raise LeantuneError(f"unknown --prompt-format {requested!r}; choose one of "
@@ -99,6 +102,8 @@ def resolve_prompt_format(requested: str | None, trained: str | None, tokenizer)
         return requested
     if trained:
         return trained
+    if untrained:
+        return untrained
     return "chat" if getattr(tokenizer, "chat_template", None) else "text"
 
 

@@ -237,7 +237,8 @@ def cmd_generate(args) -> int:
         raise LeantuneError(f"{out}: --output is the --prompts file; choose another file")
     rows = (read_prompt_file(args.prompts) if args.prompts
             else [({"prompt": args.prompt}, args.prompt, "--prompt")])
-    src = locate(args.model, args.adapter, args.device, args.dtype, log=_note)
+    src = locate(args.model, args.adapter, args.device, args.dtype, log=_note,
+                 force_base=args.force_base)
     tokenizer = src.tokenizer
     if not args.prompts:
         asked = ({True: "chat", False: "text"}[args.chat_template]
@@ -269,7 +270,8 @@ def cmd_chat(args) -> int:
     from .generate.prompts import typed_prompt
 
     kw = _sampling_kw(args)
-    src = locate(args.model, args.adapter, args.device, args.dtype, log=_note)
+    src = locate(args.model, args.adapter, args.device, args.dtype, log=_note,
+                 force_base=args.force_base)
     fmt = src.prompt_format(args.prompt_format, log=_note, untrained="chat")
     typed_prompt("", fmt, args.system)  # --system without a chat template: before the weights
     chat(src.load(), src.tokenizer, system=args.system, cuda_graphs=args.cuda_graphs, log=_note,
@@ -314,6 +316,8 @@ def _generation_flags(p, stop: bool = True) -> None:
     if stop:
         a("--stop", action="append", metavar="STR",
           help="end a completion at this text (repeat for more); EOS ids always end it")
+    a("--force-base", action="store_true",
+      help="use --model even when it is not the base the adapter was trained on (a warning)")
     a("--prompt-format", choices=["auto", "chat", "alpaca", "text"],
       help="how a typed prompt is put to the model: auto (default): as the run was trained "
            "(its run_config.json), else the chat template when the tokenizer has one")
@@ -324,6 +328,10 @@ def _generation_flags(p, stop: bool = True) -> None:
 
 
 def cmd_export(args) -> int:
+    from .generate.load import check_adapter_path
+
+    if args.adapter:
+        check_adapter_path(args.adapter)
     if not args.model:
         if not args.adapter:
             raise LeantuneError("export: give --model (the base checkpoint) and --adapter (the "
@@ -332,6 +340,11 @@ def cmd_export(args) -> int:
 
         args.model = adapter_base(Path(args.adapter))
         print(f"export: the base model is {args.model} (named by --adapter; --model overrides)")
+    if args.adapter:
+        from .lora.base_check import check_adapter_base
+
+        check_adapter_base(args.adapter, args.model, force=args.force_base,
+                           log=lambda line: print(line, file=sys.stderr))
     if args.format == "merged":
         from .export import export_merged
 
@@ -431,6 +444,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "its weights instead of the dequantised 4-bit ones")
     e.add_argument("--overwrite", action="store_true",
                    help="replace a previous export in --output (other files there are kept)")
+    e.add_argument("--force-base", action="store_true",
+                   help="merge onto --model even when it is not the base the adapter was "
+                        "trained on (a warning)")
     gp = sub.add_parser("generate", help="complete prompts with a model (+ adapter)",
                         description="Complete --prompt, or each row of --prompts, with --model "
                                     "and --adapter (unmerged), greedily by default.")

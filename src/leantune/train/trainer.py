@@ -36,6 +36,7 @@ from ..dist.parallel import Parallel
 from ..dist.tensors import full_tensor
 from ..errors import LeantuneError
 from ..lora import LoRAConfig, apply_lora, save_adapter
+from ..lora.base_check import model_fingerprint
 from ..model.config import ModelConfig
 from ..model.loader import DTYPES, build_empty, default_dtype, load_model, resolve_checkpoint
 from ..utils import signals
@@ -449,7 +450,8 @@ class Trainer:
         return {"config": asdict(self.cfg), "engine_options": self.engine_options.to_dict(),
                 "activations": self.activation_policy,
                 # the detected data format: generate/chat ask in the layout trained on
-                "data_format": getattr(getattr(self, "train_data", None), "format", None)}
+                "data_format": getattr(getattr(self, "train_data", None), "format", None),
+                "base_fingerprint": model_fingerprint(self.model)}  # lora/base_check.py
 
     def train(self) -> TrainResult:
         """Run to `total_steps`. With --overwrite the previous run is set aside first, deleted

@@ -84,10 +84,13 @@ class Located:
 
 
 def locate(model: str | None, adapter: str | None, device: str | None = None,
-           dtype: str | None = None, log=print) -> Located:
-    """Check --model (default: the base named by --adapter), --adapter, --device and --dtype
-    ("bfloat16" | "float16" | "float32"; default by device) and load the tokenizer."""
+           dtype: str | None = None, log=print, force_base: bool = False) -> Located:
+    """Check --model (default: the base named by --adapter), --adapter (that it fits the base's
+    shapes, and that the base is the one it was trained on: lora/base_check.py, a warning only
+    with `force_base`), --device and --dtype ("bfloat16" | "float16" | "float32"; default by
+    device) and load the tokenizer."""
     from ..export.merge import MergedWeights, adapter_source
+    from ..lora.base_check import check_base
     from ..model.loader import DTYPES, default_dtype, resolve_checkpoint
     from ..train.preflight import check_weights
     from ..train.trainer import load_tokenizer, resolve_device
@@ -108,6 +111,7 @@ def locate(model: str | None, adapter: str | None, device: str | None = None,
     if adapter_dir is not None:
         MergedWeights(folder, adapter_dir, log)  # checks the adapter fits this base (headers)
         lora = adapter_source(adapter_dir, log=lambda _: None)
+        check_base(lora[1], model, folder, force=force_base, log=log)
     # the base's tokenizer; a run folder keeps a copy for a base that has none
     has_own = any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
     tokenizer = load_tokenizer(str(folder if has_own or adapter_dir is None else adapter_dir))

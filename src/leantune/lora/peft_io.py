@@ -1,7 +1,8 @@
 """LoRA adapters in PEFT's on-disk format.
 
 adapter_model.safetensors holds `base_model.model.<module>.lora_A.weight` [r, in] and
-`...lora_B.weight` [out, r]; adapter_config.json is PEFT's LoraConfig. Files written here load
+`...lora_B.weight` [out, r], and in its metadata the base's name and weights fingerprint
+(base_check.py); adapter_config.json is PEFT's LoraConfig. Files written here load
 with `peft.PeftModel.from_pretrained` on the transformers model, and PEFT-trained adapters load
 here.
 
@@ -25,6 +26,7 @@ import torch
 
 from ..dist.tensors import full_tensor
 from ..errors import LeantuneError
+from .base_check import BASE_NAME_KEY, FINGERPRINT_KEY, model_fingerprint
 from .config import ALL_TARGETS, EXPERTS, LoRAConfig, apply_lora, expert_layers, lora_layers
 
 PREFIX = "base_model.model."
@@ -176,8 +178,14 @@ def save_adapter(model, out_dir: str | os.PathLike, base_model_name: str | None 
     if not write:
         return
     out.mkdir(parents=True, exist_ok=True)
+    metadata = {"format": "pt"}
+    fp = model_fingerprint(model)  # the base it was trained on (lora/base_check.py)
+    if fp is not None:
+        metadata[FINGERPRINT_KEY] = fp
+    if base_model_name:
+        metadata[BASE_NAME_KEY] = str(base_model_name)
     with atomic_path(out / ADAPTER_WEIGHTS) as tmp:
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        save_file(tensors, str(tmp), metadata=metadata)
     modules = {name.rsplit(".", 1)[-1] for name, layer in lora_layers(model) if layer.has_lora}
     atomic_write_json(out / ADAPTER_CONFIG, peft_config_dict(
         cfg, base_model_name, [t for t in ALL_TARGETS if t in modules]))

@@ -344,7 +344,8 @@ def cmd_export(args) -> int:
         from .lora.base_check import check_adapter_base
 
         check_adapter_base(args.adapter, args.model, force=args.force_base,
-                           log=lambda line: print(line, file=sys.stderr))
+                           log=lambda line: print(line, file=sys.stderr),
+                           merge_onto=args.merge_onto)
     if args.format == "merged":
         from .export import export_merged
 

@@ -178,12 +178,17 @@ def check_base(weights: Path, given: str, folder: Path, *, force: bool = False,
 
 
 def check_adapter_base(adapter: str | os.PathLike, model: str, *, force: bool = False,
-                       log=print) -> None:
+                       log=print, merge_onto: str | None = None) -> None:
     """`check_base` for the command line's --adapter and --model (a folder or hub id): the
     adapter's weights file found as merge and generate find it (an adapter folder, a run
-    folder's latest checkpoint, one checkpoint)."""
+    folder's latest checkpoint, one checkpoint). With `merge_onto` (export --merge-onto) and a
+    --model that is not 4-bit, nothing is checked: the export refuses that pair in its own
+    words."""
     from ..export.merge import adapter_source
-    from ..model.loader import resolve_checkpoint
+    from ..model.loader import bnb_quant_states, resolve_checkpoint, safetensors_files
 
     _, weights = adapter_source(Path(adapter), log=lambda _: None)
-    check_base(weights, str(model), resolve_checkpoint(model), force=force, log=log)
+    folder = resolve_checkpoint(model)
+    if merge_onto and not bnb_quant_states(safetensors_files(folder)):
+        return
+    check_base(weights, str(model), folder, force=force, log=log)

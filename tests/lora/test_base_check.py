@@ -160,3 +160,21 @@ def test_names_that_name_the_same_base(tmp_path):
     assert not _same_name("Qwen/Qwen2.5-1.5B", str(snap), snap)
     assert _same_name(str(snap / ".." / "abc"), str(snap), snap)  # the same folder
     assert not _same_name(str(tmp_path), str(snap), snap)
+
+
+def test_the_adapter_file_is_the_same_bytes_each_time(tiny_ckpt, tmp_path):  # noqa: F811
+    """Two metadata keys or more: safetensors writes them in hash order, which changes from one
+    write to the next; save_adapter sorts them, so a rewrite is bit for bit the same."""
+    import leantune
+
+    model = leantune.load_model(tiny_ckpt, device="cpu")
+    leantune.apply_lora(model, leantune.LoRAConfig(r=4, alpha=8), seed=0)
+    files = []
+    for i in range(6):
+        leantune.save_adapter(model, tmp_path / str(i), base_model_name=str(tiny_ckpt))
+        files.append((tmp_path / str(i) / "adapter_model.safetensors").read_bytes())
+    assert all(f == files[0] for f in files)
+    with safe_open(str(tmp_path / "0" / "adapter_model.safetensors"), framework="pt") as sf:
+        assert sf.metadata()[FINGERPRINT_KEY] == fingerprint(tiny_ckpt)
+        assert sf.metadata()["format"] == "pt"
+    assert load_file(str(tmp_path / "0" / "adapter_model.safetensors")).keys()

@@ -166,7 +166,7 @@ def save_adapter(model, out_dir: str | os.PathLike, base_model_name: str | None 
     """Write adapter_model.safetensors and adapter_config.json atomically into out_dir. Under
     torchrun every process calls this (FSDP2 gathers the adapters); only rank 0 (`write`)
     writes."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     from ..utils.io import atomic_write_json, atomic_path
 
@@ -184,11 +184,31 @@ def save_adapter(model, out_dir: str | os.PathLike, base_model_name: str | None 
         metadata[FINGERPRINT_KEY] = fp
     if base_model_name:
         metadata[BASE_NAME_KEY] = str(base_model_name)
+    data = _sorted_metadata(save(tensors, metadata=metadata))
     with atomic_path(out / ADAPTER_WEIGHTS) as tmp:
-        save_file(tensors, str(tmp), metadata=metadata)
+        tmp.write_bytes(data)
     modules = {name.rsplit(".", 1)[-1] for name, layer in lora_layers(model) if layer.has_lora}
     atomic_write_json(out / ADAPTER_CONFIG, peft_config_dict(
         cfg, base_model_name, [t for t in ALL_TARGETS if t in modules]))
+
+
+def _sorted_metadata(raw: bytes) -> bytes:
+    """safetensors bytes with the header's metadata keys in sorted order. safetensors writes
+    its metadata map in hash order, which differs from one write to the next once it holds more
+    than one key; sorted, the same adapter gives the same bytes (a resumed run rewrites its
+    adapter bit for bit). The header keeps its length (padded with spaces, as safetensors pads
+    it); where it cannot, the bytes are returned as they are."""
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n], object_pairs_hook=dict)
+    meta = header.get("__metadata__")
+    if not isinstance(meta, dict) or list(meta) == sorted(meta):
+        return raw
+    header = {"__metadata__": dict(sorted(meta.items())),
+              **{k: v for k, v in header.items() if k != "__metadata__"}}
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    if len(text) > n:
+        return raw
+    return raw[:8] + text + b" " * (n - len(text)) + raw[8 + n:]
 
 
 def read_adapter_config(adapter_dir: Path) -> LoRAConfig:

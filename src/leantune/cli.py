@@ -232,13 +232,19 @@ def cmd_generate(args) -> int:
 
     from .generate import generate
     from .generate.load import locate
-    from .generate.prompts import prompt_ids, read_prompt_file
+    from .generate.prompts import prompt_ids, read_prompt_file, typed_prompt
     from .utils.io import atomic_path
 
     kw = _sampling_kw(args)
     if args.prompts and args.chat_template is not None:
         raise LeantuneError("--chat-template / --no-chat-template apply to --prompt; with "
                             "--prompts each row says it: 'messages' rows use the chat template")
+    if args.prompts and args.prompt_format:
+        raise LeantuneError("--prompt-format applies to --prompt; with --prompts each row says "
+                            "it: 'messages' rows use the chat template, alpaca rows its prompt")
+    if args.chat_template is not None and args.prompt_format:
+        raise LeantuneError("give --prompt-format or --chat-template / --no-chat-template, not "
+                            "both (--chat-template is --prompt-format chat)")
     out = Path(args.output) if args.output else None
     if out is not None and out.exists() and not args.overwrite:
         raise LeantuneError(f"{out}: output file exists; choose another --output or pass "
@@ -247,11 +253,14 @@ def cmd_generate(args) -> int:
         raise LeantuneError(f"{out}: --output is the --prompts file; choose another file")
     rows = (read_prompt_file(args.prompts) if args.prompts
             else [({"prompt": args.prompt}, args.prompt, "--prompt")])
-    src = locate(args.model, args.adapter, args.device, args.dtype, log=_note)
+    src = locate(args.model, args.adapter, args.device, args.dtype, log=_note,
+                 force_base=args.force_base)
     tokenizer = src.tokenizer
-    if not args.prompts and (args.chat_template or (args.chat_template is None
-                                                    and tokenizer.chat_template)):
-        rows = [(rows[0][0], [{"role": "user", "content": args.prompt}], "--prompt")]
+    if not args.prompts:
+        asked = ({True: "chat", False: "text"}[args.chat_template]
+                 if args.chat_template is not None else args.prompt_format)
+        rows = [(rows[0][0], typed_prompt(args.prompt, src.prompt_format(asked, log=_note)),
+                 "--prompt")]
     ids = [prompt_ids(tokenizer, prompt, where) for _, prompt, where in rows]  # before weights
     done = generate(src.load(), tokenizer, ids, batch_size=args.batch_size,
                     cuda_graphs=args.cuda_graphs, log=_note, **kw)
@@ -274,11 +283,15 @@ def cmd_generate(args) -> int:
 def cmd_chat(args) -> int:
     from .generate.chat import chat
     from .generate.load import locate
+    from .generate.prompts import typed_prompt
 
     kw = _sampling_kw(args)
-    src = locate(args.model, args.adapter, args.device, args.dtype, log=_note)
+    src = locate(args.model, args.adapter, args.device, args.dtype, log=_note,
+                 force_base=args.force_base)
+    fmt = src.prompt_format(args.prompt_format, log=_note, untrained="chat")
+    typed_prompt("", fmt, args.system)  # --system without a chat template: before the weights
     chat(src.load(), src.tokenizer, system=args.system, cuda_graphs=args.cuda_graphs, log=_note,
-         **kw)
+         prompt_format=fmt, **kw)
     return 0
 
 
@@ -319,6 +332,11 @@ def _generation_flags(p, stop: bool = True) -> None:
     if stop:
         a("--stop", action="append", metavar="STR",
           help="end a completion at this text (repeat for more); EOS ids always end it")
+    a("--force-base", action="store_true",
+      help="use --model even when it is not the base the adapter was trained on (a warning)")
+    a("--prompt-format", choices=["auto", "chat", "alpaca", "text"],
+      help="how a typed prompt is put to the model: auto (default): as the run was trained "
+           "(its run_config.json), else the chat template when the tokenizer has one")
     a("--device", help="cuda, cuda:1, cpu (default: cuda if available)")
     a("--dtype", choices=["bfloat16", "float16", "float32"], help="default: by device")
     a("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
@@ -326,6 +344,10 @@ def _generation_flags(p, stop: bool = True) -> None:
 
 
 def cmd_export(args) -> int:
+    from .generate.load import check_adapter_path
+
+    if args.adapter:
+        check_adapter_path(args.adapter)
     if not args.model:
         if not args.adapter:
             raise LeantuneError("export: give --model (the base checkpoint) and --adapter (the "
@@ -334,6 +356,12 @@ def cmd_export(args) -> int:
 
         args.model = adapter_base(Path(args.adapter))
         print(f"export: the base model is {args.model} (named by --adapter; --model overrides)")
+    if args.adapter:
+        from .lora.base_check import check_adapter_base
+
+        check_adapter_base(args.adapter, args.model, force=args.force_base,
+                           log=lambda line: print(line, file=sys.stderr),
+                           merge_onto=args.merge_onto)
     if args.format == "merged":
         from .export import export_merged
 
@@ -466,6 +494,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "its weights instead of the dequantised 4-bit ones")
     e.add_argument("--overwrite", action="store_true",
                    help="replace a previous export in --output (other files there are kept)")
+    e.add_argument("--force-base", action="store_true",
+                   help="merge onto --model even when it is not the base the adapter was "
+                        "trained on (a warning)")
     gp = sub.add_parser("generate", help="complete prompts with a model (+ adapter)",
                         description="Complete --prompt, or each row of --prompts, with --model "
                                     "and --adapter (unmerged), greedily by default.")

@@ -131,7 +131,7 @@ def test_only_the_tokenizer_is_loaded(tiny_ckpt, tmp_path, capsys, monkeypatch):
     data = write_jsonl(tmp_path / "d.jsonl", alpaca_rows(2))
     rc, out, err = inspect(capsys, "--data", data, "--model", tok_only, "--rows", 0)
     assert rc == 0, err
-    assert "document 1" not in out and "packing: 2 documents -> 1 rows" in out
+    assert "document 1" not in out and "packing: 2 documents -> 1 row of" in out
 
     import huggingface_hub
 

@@ -93,7 +93,9 @@ def packing_summary(dataset: SFTDataset) -> str:
     """Rows of max_seq_len the documents pack into (first-fit decreasing, as in training)."""
     loader = PackedLoader(dataset, batch_size=1, max_seq_len=dataset.max_seq_len, shuffle=False)
     per_row = [len(row) for row in loader.epoch_rows(0)]
-    return (f"packing: {dataset.num_docs} documents -> {loader.num_rows} rows of "
+    from ..utils.words import count
+
+    return (f"packing: {count(dataset.num_docs, 'document')} -> {count(loader.num_rows, 'row')} of "
             f"{dataset.max_seq_len} tokens, {dataset.num_docs / loader.num_rows:.1f} documents per "
             f"row ({min(per_row)} to {max(per_row)}), {100 * loader.packing_efficiency:.1f}% of "
             "the row tokens are real (the rest is padding)")

@@ -4,6 +4,10 @@ Each user line joins the conversation, which goes through the tokenizer's chat t
 whole history every turn: multi-turn); the reply is printed token by token as it is generated
 and joins the history. `/reset` starts a new conversation (keeping --system), `/exit` or end of
 input (Ctrl-D) ends the chat; Ctrl-C ends it too, the CLI saying so in one line.
+
+A model trained on alpaca prompts or plain text (`prompt_format` "alpaca" / "text": the run's
+own format, prompts.trained_prompt_format) is asked in that format instead; those formats have
+no turns, so each line is asked on its own (no history).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import sys
 
 from ..errors import LeantuneError
+from .prompts import DESCRIBE, typed_prompt
 from .text import generate
 
 HELP = "/reset starts over, /exit (or Ctrl-D) ends"
@@ -45,18 +50,25 @@ class TextStreamer:
 
 
 def chat(model, tokenizer, *, system: str | None = None, read=None, out=None,
-         **generate_kw) -> None:
+         prompt_format: str = "chat", **generate_kw) -> None:
     """Run the chat until /exit or end of input. `read(prompt)` (default `input`) returns the
-    user's next line, raising EOFError at the end; `generate_kw` goes to `generate`
+    user's next line, raising EOFError at the end; `prompt_format`: "chat" (the chat template,
+    multi-turn), "alpaca" or "text" (each line on its own); `generate_kw` goes to `generate`
     (max_new_tokens, sampling)."""
     read, out = read or input, out or sys.stdout
-    if not getattr(tokenizer, "chat_template", None):
+    turns = prompt_format == "chat"
+    if turns and not getattr(tokenizer, "chat_template", None):
         raise LeantuneError("the tokenizer has no chat template, which `leantune chat` needs; "
-                            "use an instruct/chat model, or `leantune generate --prompt` for "
-                            "plain text")
+                            "use an instruct/chat model, or --prompt-format text (or alpaca) "
+                            "to ask each line on its own")
+    if not turns:
+        typed_prompt("", prompt_format, system)  # --system needs turns: one line, before a word
     start = [{"role": "system", "content": system}] if system else []
     messages = list(start)
     out.write(f"chat: {HELP}\n")
+    if not turns:
+        out.write(f"(each line is asked on its own, in {DESCRIBE[prompt_format]}, as the model "
+                  "was trained)\n")
     while True:
         try:
             line = read("> ")
@@ -76,12 +88,15 @@ def chat(model, tokenizer, *, system: str | None = None, read=None, out=None,
             out.write("(a new conversation)\n")
             continue
         messages.append({"role": "user", "content": line})
+        prompt = messages if turns else typed_prompt(line, prompt_format)
         try:
-            reply = generate(model, tokenizer, [messages], streamer=TextStreamer(tokenizer, out),
+            reply = generate(model, tokenizer, [prompt], streamer=TextStreamer(tokenizer, out),
                              **generate_kw)[0]
         except KeyboardInterrupt:
             out.write("\n")
             raise
         messages.append({"role": "assistant", "content": reply.text})
+        if not turns:
+            messages = list(start)
         if reply.stopped == "length":
             out.write("(the reply reached --max-new-tokens and was cut)\n")

@@ -1,7 +1,8 @@
 """A model to generate with, from the command line's --model and --adapter: the base checkpoint,
 the adapter attached unmerged (a PEFT adapter folder, a run folder or one training checkpoint),
 and the tokenizer. `locate` checks everything and loads the tokenizer (so prompts can be checked
-too) before `Located.load` reads the weights."""
+too) before `Located.load` reads the weights; it also reads the prompt format the run was
+trained with (prompts.trained_prompt_format)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,19 @@ from pathlib import Path
 import torch
 
 from ..errors import LeantuneError
+
+
+def check_adapter_path(adapter: str | Path) -> Path:
+    """--adapter as a Path, refused in one line when there is no such folder (before anything
+    else is read: a typo should not surface as a missing adapter_config.json or a base model)."""
+    path = Path(adapter)
+    if not path.exists():
+        raise LeantuneError(f"--adapter {path}: no such folder; give the output folder of "
+                            "`leantune train` (or a PEFT adapter folder, or RUN/checkpoints/step-N)")
+    if not path.is_dir():
+        raise LeantuneError(f"--adapter {path}: a file, not a folder; give the folder that holds "
+                            "adapter_config.json and adapter_model.safetensors")
+    return path
 
 
 def adapter_base(adapter: Path) -> str:
@@ -43,6 +57,20 @@ class Located:
     device: torch.device
     dtype: torch.dtype
     tokenizer: object
+    trained_format: str | None = None  # "chat" | "alpaca" | "text": the run's, when it says
+
+    def prompt_format(self, requested: str | None = None, log=print,
+                      untrained: str | None = None) -> str:
+        """The prompt format typed prompts take (--prompt-format `requested`, else the run's,
+        else `untrained` or the tokenizer's default: prompts.resolve_prompt_format), said in
+        one note when it comes from the run."""
+        from .prompts import DESCRIBE, resolve_prompt_format
+
+        fmt = resolve_prompt_format(requested, self.trained_format, self.tokenizer, untrained)
+        if (requested in (None, "auto")) and self.trained_format:
+            log(f"prompt format: {DESCRIBE[fmt]} ({fmt}), as the run was trained "
+                "(--prompt-format overrides)")
+        return fmt
 
     def load(self):
         """The model in eval mode, the adapter attached unmerged."""
@@ -56,15 +84,20 @@ class Located:
 
 
 def locate(model: str | None, adapter: str | None, device: str | None = None,
-           dtype: str | None = None, log=print) -> Located:
-    """Check --model (default: the base named by --adapter), --adapter, --device and --dtype
-    ("bfloat16" | "float16" | "float32"; default by device) and load the tokenizer."""
+           dtype: str | None = None, log=print, force_base: bool = False) -> Located:
+    """Check --model (default: the base named by --adapter), --adapter (that it fits the base's
+    shapes, and that the base is the one it was trained on: lora/base_check.py, a warning only
+    with `force_base`), --device and --dtype ("bfloat16" | "float16" | "float32"; default by
+    device) and load the tokenizer."""
     from ..export.merge import MergedWeights, adapter_source
+    from ..lora.base_check import check_base
     from ..model.loader import DTYPES, default_dtype, resolve_checkpoint
     from ..train.preflight import check_weights
     from ..train.trainer import load_tokenizer, resolve_device
 
-    adapter_dir = Path(adapter) if adapter else None
+    from .prompts import trained_prompt_format
+
+    adapter_dir = check_adapter_path(adapter) if adapter else None
     if model is None:
         if adapter_dir is None:
             raise LeantuneError("--model is required (or --adapter, whose adapter_config.json "
@@ -78,7 +111,9 @@ def locate(model: str | None, adapter: str | None, device: str | None = None,
     if adapter_dir is not None:
         MergedWeights(folder, adapter_dir, log)  # checks the adapter fits this base (headers)
         lora = adapter_source(adapter_dir, log=lambda _: None)
+        check_base(lora[1], model, folder, force=force_base, log=log)
     # the base's tokenizer; a run folder keeps a copy for a base that has none
     has_own = any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
     tokenizer = load_tokenizer(str(folder if has_own or adapter_dir is None else adapter_dir))
-    return Located(folder, lora, dev, DTYPES[dtype] if dtype else default_dtype(dev), tokenizer)
+    return Located(folder, lora, dev, DTYPES[dtype] if dtype else default_dtype(dev), tokenizer,
+                   trained_prompt_format(adapter_dir if adapter_dir is not None else folder))

@@ -4,16 +4,33 @@ Prompts are tokenized as leantune's training tokenizes them (leantune.data.forma
 fine-tune sees at generation the layout it was trained on: a text is encoded without special
 tokens and gets the tokenizer's BOS in front (unless it starts with it); a conversation goes
 through the tokenizer's chat template with the assistant's turn opened
-(add_generation_prompt), then likewise; an alpaca row is its instruction prompt.
+(add_generation_prompt; rendered sandboxed, with a time and size limit), then likewise; an alpaca
+row is its instruction prompt.
+
+A typed prompt (`generate --prompt`, a `chat` line) takes the *prompt format* the run was
+trained with (run_config.json, `trained_prompt_format`): a run on alpaca rows is asked in the
+alpaca prompt, a run on messages through the chat template, a run on text with the text as it is;
+`--prompt-format` overrides it. A model fine-tuned on one layout answers poorly in another (the
+demo, trained on alpaca prompts, answered no capital through the chat template).
 """
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 from ..data.files import format_location, read_rows_located
-from ..data.formats import normalize_messages, render_alpaca_prompt
+from ..data.formats import normalize_messages, render_alpaca_prompt, validate_format
 from ..errors import LeantuneError
+from ..utils.templates import render_chat_template
+
+# --prompt-format: "auto" is the run's own (else the chat template when the tokenizer has one)
+PROMPT_FORMATS = ("auto", "chat", "alpaca", "text")
+# a training data format -> the prompt format that asks a model trained on it
+TRAINED_AS = {"alpaca": "alpaca", "messages": "chat", "text": "text"}
+DESCRIBE = {"chat": "the chat template", "alpaca": "the alpaca prompt",
+            "text": "the text as it is"}
 
 ROW_NEEDS = ("'prompt' (a text), 'messages' (a list of {'role', 'content'}: the chat template) "
              "or 'instruction' (and 'input': the alpaca prompt)")
@@ -43,18 +60,63 @@ def read_prompt_file(path: str | os.PathLike) -> list[tuple[dict, str | list[dic
 
 
 def render_chat(tokenizer, messages: list[dict], where: str = "prompt") -> str:
-    """A conversation as its chat-template text, the assistant's turn opened."""
+    """A conversation as its chat-template text, the assistant's turn opened (rendered as
+    training renders it: sandboxed, with a time and size limit; errors in one line)."""
     if not getattr(tokenizer, "chat_template", None):
         raise LeantuneError(f"{where}: the tokenizer has no chat template, which a messages "
                             "prompt needs; give the prompt as text instead")
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=True)
-    except Exception as e:  # jinja errors, raise_exception() in the template
-        raise LeantuneError(f"{where}: the tokenizer's chat template rejected this "
-                            f"conversation ({type(e).__name__}: {' '.join(str(e).split())[:160]})"
-                            ) from None
-    return text if isinstance(text, str) else text[0]
+    return render_chat_template(tokenizer, messages, where, add_generation_prompt=True)
+
+
+def trained_prompt_format(*folders) -> str | None:
+    """The prompt format ("chat", "alpaca" or "text") of the run that wrote the first of
+    `folders` (an adapter or run folder, a checkpoint, a full fine-tune's folder) holding a
+    run_config.json or state.json: the data format the run detected (its "data_format"), else
+    its --format. None when no folder says (a PEFT adapter from elsewhere, a base model)."""
+    for folder in folders:
+        if folder is None:
+            continue
+        for name in ("run_config.json", "state.json"):
+            path = Path(folder) / name
+            if not path.is_file():
+                continue
+            try:
+                settings = json.loads(path.read_text())
+                fmt = settings.get("data_format") or (settings.get("config") or {}).get("format")
+                return TRAINED_AS.get(validate_format(fmt)) if isinstance(fmt, str) else None
+            except (ValueError, AttributeError, LeantuneError):
+                return None  # unreadable or unknown: the tokenizer's default
+    return None
+
+
+def resolve_prompt_format(requested: str | None, trained: str | None, tokenizer,
+                          untrained: str | None = None) -> str:
+    """The prompt format typed prompts take: `requested` (--prompt-format) unless "auto" or None,
+    else the run's (`trained`), else `untrained` when given (chat: "chat", so a model without a
+    template is refused rather than chatted with as plain text), else the chat template when the
+    tokenizer has one, else text."""
+    if requested and requested != "auto":
+        if requested not in PROMPT_FORMATS:
+            raise LeantuneError(f"unknown --prompt-format {requested!r}; choose one of "
+                                f"{', '.join(PROMPT_FORMATS)}")
+        return requested
+    if trained:
+        return trained
+    if untrained:
+        return untrained
+    return "chat" if getattr(tokenizer, "chat_template", None) else "text"
+
+
+def typed_prompt(text: str, fmt: str, system: str | None = None):
+    """A typed prompt in prompt format `fmt`: a one-turn conversation (chat; `system` first when
+    given), the alpaca prompt with `text` as the instruction, or the text as it is."""
+    if fmt == "chat":
+        return [*([{"role": "system", "content": system}] if system else []),
+                {"role": "user", "content": text}]
+    if system:
+        raise LeantuneError(f"a system message needs the chat template, and the prompt format is "
+                            f"{fmt}; leave out --system, or pass --prompt-format chat")
+    return render_alpaca_prompt(text) if fmt == "alpaca" else text
 
 
 def prompt_ids(tokenizer, prompt, where: str = "prompt") -> list[int]:

@@ -1,7 +1,8 @@
 """LoRA adapters in PEFT's on-disk format.
 
 adapter_model.safetensors holds `base_model.model.<module>.lora_A.weight` [r, in] and
-`...lora_B.weight` [out, r]; adapter_config.json is PEFT's LoraConfig. Files written here load
+`...lora_B.weight` [out, r], and in its metadata the base's name and weights fingerprint
+(base_check.py); adapter_config.json is PEFT's LoraConfig. Files written here load
 with `peft.PeftModel.from_pretrained` on the transformers model, and PEFT-trained adapters load
 here.
 
@@ -25,6 +26,7 @@ import torch
 
 from ..dist.tensors import full_tensor
 from ..errors import LeantuneError
+from .base_check import BASE_NAME_KEY, FINGERPRINT_KEY, model_fingerprint
 from .config import ALL_TARGETS, EXPERTS, LoRAConfig, apply_lora, expert_layers, lora_layers
 
 PREFIX = "base_model.model."
@@ -164,7 +166,7 @@ def save_adapter(model, out_dir: str | os.PathLike, base_model_name: str | None 
     """Write adapter_model.safetensors and adapter_config.json atomically into out_dir. Under
     torchrun every process calls this (FSDP2 gathers the adapters); only rank 0 (`write`)
     writes."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     from ..utils.io import atomic_write_json, atomic_path
 
@@ -176,11 +178,37 @@ def save_adapter(model, out_dir: str | os.PathLike, base_model_name: str | None 
     if not write:
         return
     out.mkdir(parents=True, exist_ok=True)
+    metadata = {"format": "pt"}
+    fp = model_fingerprint(model)  # the base it was trained on (lora/base_check.py)
+    if fp is not None:
+        metadata[FINGERPRINT_KEY] = fp
+    if base_model_name:
+        metadata[BASE_NAME_KEY] = str(base_model_name)
+    data = _sorted_metadata(save(tensors, metadata=metadata))
     with atomic_path(out / ADAPTER_WEIGHTS) as tmp:
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        tmp.write_bytes(data)
     modules = {name.rsplit(".", 1)[-1] for name, layer in lora_layers(model) if layer.has_lora}
     atomic_write_json(out / ADAPTER_CONFIG, peft_config_dict(
         cfg, base_model_name, [t for t in ALL_TARGETS if t in modules]))
+
+
+def _sorted_metadata(raw: bytes) -> bytes:
+    """safetensors bytes with the header's metadata keys in sorted order. safetensors writes
+    its metadata map in hash order, which differs from one write to the next once it holds more
+    than one key; sorted, the same adapter gives the same bytes (a resumed run rewrites its
+    adapter bit for bit). The header keeps its length (padded with spaces, as safetensors pads
+    it); where it cannot, the bytes are returned as they are."""
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n], object_pairs_hook=dict)
+    meta = header.get("__metadata__")
+    if not isinstance(meta, dict) or list(meta) == sorted(meta):
+        return raw
+    header = {"__metadata__": dict(sorted(meta.items())),
+              **{k: v for k, v in header.items() if k != "__metadata__"}}
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    if len(text) > n:
+        return raw
+    return raw[:8] + text + b" " * (n - len(text)) + raw[8 + n:]
 
 
 def read_adapter_config(adapter_dir: Path) -> LoRAConfig:

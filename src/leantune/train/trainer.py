@@ -25,6 +25,9 @@ from ..dist.data import RankLoader
 from ..dist.parallel import Parallel
 from ..errors import LeantuneError
 from ..lora import apply_lora, save_adapter
+from ..lora.base_check import model_fingerprint
+from ..lora.params import count_parameters
+from ..utils.words import count
 from ..model.config import ModelConfig
 from ..model.loader import DTYPES, build_empty, default_dtype, load_model, resolve_checkpoint
 from ..utils.paths import check_output_folder
@@ -223,8 +226,7 @@ class Trainer(StepRunner):
             self.engine.attach(m, plans)
         self.activation_policy = policy
         m.train()
-        n_train = sum(p.numel() for p in self.params)
-        n_all = sum(p.numel() for p in m.parameters())
+        n_train, n_all = count_parameters(m, self.params)  # (4-bit weights: their real count)
         self.log(f"trainable parameters: {n_train:,} of {n_all:,} ({100 * n_train / n_all:.2f}%)"
                  f"  [{'full' if cfg.full else 'LoRA r=%d' % cfg.lora.r}, {self.dtype}, "
                  f"{self.device}, activations: {policy}]")
@@ -269,8 +271,9 @@ class Trainer(StepRunner):
         if eval_data is None and cfg.eval_fraction > 0:
             train_data, eval_data = train_data.split_eval(cfg.eval_fraction, cfg.seed)
         if getattr(train_data, "num_truncated", 0):
-            self.log(f"note: {train_data.num_truncated} documents longer than --max-seq-len "
-                     f"{cfg.max_seq_len} were truncated")
+            n = train_data.num_truncated
+            self.log(f"note: {count(n, 'document')} longer than --max-seq-len "
+                     f"{cfg.max_seq_len} {'was' if n == 1 else 'were'} truncated")
         self.train_data, self.eval_data = train_data, eval_data
         par = self.parallel
         # under torchrun: global batches of batch_size rows per process, this process's rows
@@ -282,9 +285,11 @@ class Trainer(StepRunner):
         per_epoch = max(1, len(self.loader) // cfg.grad_accum)
         self.total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * per_epoch))
         n_docs = getattr(train_data, "num_docs", None) or len(train_data)
-        self.log(f"data: {n_docs} documents -> {len(self.loader)} packed batches "
-                 f"per epoch; {self.total_steps} optimizer steps"
-                 + (f"; eval: {len(eval_data)} documents" if eval_data is not None else ""))
+        batches = count(len(self.loader), "packed batch", "packed batches")
+        self.log(f"data: {count(n_docs, 'document')} -> {batches} per epoch; "
+                 f"{count(self.total_steps, 'optimizer step')}"
+                 + (f"; eval: {count(len(eval_data), 'document')}" if eval_data is not None
+                    else ""))
         if par.launched:
             self.log(par.describe_batch(cfg))
 
@@ -347,7 +352,10 @@ class Trainer(StepRunner):
         """The settings this run trains with: its config and the engine options in effect
         (written to run_config.json and into every checkpoint)."""
         return {"config": asdict(self.cfg), "engine_options": self.engine_options.to_dict(),
-                "activations": self.activation_policy}
+                "activations": self.activation_policy,
+                # the detected data format: generate/chat ask in the layout trained on
+                "data_format": getattr(getattr(self, "train_data", None), "format", None),
+                "base_fingerprint": model_fingerprint(self.model)}  # lora/base_check.py
 
     def save_checkpoint(self) -> Path:
         """Checkpoint this step (once), and settle --overwrite: the previous run is deleted."""

@@ -52,7 +52,7 @@ from .config import TrainConfig
 from .health import NonFiniteWatch
 from .merge_at_end import check_merge_at_end, merge_at_end
 from .metrics import NoMetrics, Progress
-from .output import FULL_INDEX, RUN_CONFIG, RunFolder
+from .output import RUN_CONFIG, RunFolder, final_incomplete, final_save
 from .plot import plot_after_training
 from .preflight import check_weights, locate_model
 from .reporting import check_report_to, open_reporting
@@ -660,15 +660,17 @@ class Trainer:
         """LoRA: PEFT adapter files. Full: a HF checkpoint of the trained weights. (Under
         torchrun every process takes part, FSDP2 gathering the weights; rank 0 writes.)"""
         write = self.parallel.writer
-        if self.cfg.full:
-            from ..export.full import save_full_model
+        with final_save(self.output, self.step, write):  # (a kill inside: --resume redoes it)
+            if self.cfg.full:
+                from ..export.full import save_full_model
 
-            save_full_model(self.model, self.output,
-                            source=getattr(self.model, "source_path", None), write=write)
-        else:
-            save_adapter(self.model, self.output, base_model_name=self.cfg.model, write=write)
-        if write and self.tokenizer is not None and hasattr(self.tokenizer, "save_pretrained"):
-            self.tokenizer.save_pretrained(str(self.output))
+                save_full_model(self.model, self.output,
+                                source=getattr(self.model, "source_path", None), write=write)
+            else:
+                save_adapter(self.model, self.output, base_model_name=self.cfg.model, write=write)
+            if write and self.tokenizer is not None and hasattr(self.tokenizer,
+                                                                "save_pretrained"):
+                self.tokenizer.save_pretrained(str(self.output))
 
 
 def _quiet(*_args, **_kw) -> None:

@@ -633,11 +633,12 @@ class Trainer:
         (or model) is written from the checkpoint if it is missing or older."""
         self.log(f"{self.output}: the run already finished at step {self.step}; nothing to do "
                  "(to train on, --resume with a larger --max-steps or --epochs)")
-        final = self.output / (FULL_INDEX if self.cfg.full else "adapter_model.safetensors")
         ckpt = latest_checkpoint(self.output)
-        if not final.exists() or final.stat().st_mtime < ckpt.stat().st_mtime:
+        why = final_incomplete(self.output, self.cfg.full, ckpt)
+        if why:
             self.save_final()
-            self.log(f"wrote the final {'model' if self.cfg.full else 'adapter'} from {ckpt}")
+            self.log(f"wrote the final {'model' if self.cfg.full else 'adapter'} from {ckpt} "
+                     f"({why})")
         return TrainResult(self.step, None, self.first_eval_loss, None, self.output, 0.0)
 
     def save_checkpoint(self) -> Path:

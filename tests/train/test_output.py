@@ -169,7 +169,9 @@ def test_overwrite_puts_the_previous_run_back_when_the_new_one_fails_early(old_r
         tr.train()
     if how == "interrupt":
         assert str(e.value) == (f"interrupted (Ctrl-C) before the first step finished; the "
-                                f"previous run in {tmp_path / 'run'} is put back as it was")
+                                f"previous run in {tmp_path / 'run'} is put back as it was "
+                                "(--overwrite replaces it only from this run's first "
+                                "checkpoint, --save-every); run the same command to start again")
     if how == "nan":
         assert "no checkpoint was written" in str(e.value)
     assert snapshot(tmp_path / "run") == before

@@ -214,6 +214,21 @@ class RunFolder:
             self._roll_back(self._phase() or "aside")
 
 
+def overwrite_stopped_note(output: Path, steps: int) -> str:
+    """What a stop of an --overwrite run before its first checkpoint did (the trainer's line)."""
+    dropped = f"; this run's {steps} steps are dropped" if steps else ""
+    return (f"the previous run in {output} is put back as it was{dropped} (--overwrite replaces "
+            "it only from this run's first checkpoint, --save-every); run the same command to "
+            "start again")
+
+
+def resume_hint(cfg) -> str:
+    """How to continue a stopped run: its own command plus --resume (in place of --overwrite,
+    which --resume refuses)."""
+    return ("the same command with --resume in place of --overwrite" if cfg.overwrite
+            else "the same command plus --resume")
+
+
 # --- the final save ------------------------------------------------------------------------------
 
 @contextlib.contextmanager

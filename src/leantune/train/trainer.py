@@ -52,7 +52,8 @@ from .config import TrainConfig
 from .health import NonFiniteWatch
 from .merge_at_end import check_merge_at_end, merge_at_end
 from .metrics import NoMetrics, Progress
-from .output import RUN_CONFIG, RunFolder, final_incomplete, final_save
+from .output import (RUN_CONFIG, RunFolder, final_incomplete, final_save,
+                     overwrite_stopped_note, resume_hint)
 from .plot import plot_after_training
 from .preflight import check_weights, locate_model
 from .reporting import check_report_to, open_reporting
@@ -571,15 +572,16 @@ class Trainer:
         what = signals.describe(interrupt)
         # no step finished: nothing worth a checkpoint; under torchrun the other processes may
         # be anywhere in a step (in a collective, or stopped): none is written from here
-        if self.step == start_step or self.parallel.launched:
-            if self.run_folder.pending:
-                note = f"the previous run in {self.output} is put back as it was"
+        if self.step == start_step or self.parallel.launched or self.run_folder.pending:
+            if self.run_folder.pending:  # (this run is worth less than it: output.py)
+                note = overwrite_stopped_note(self.output, self.step - start_step)
             elif self.saved_step is not None:
                 note = (f"its checkpoint at step {self.saved_step} is unchanged; continue with "
                         "the same command plus --resume")
             else:
                 note = "nothing was saved; run the command again to start over"
             when = ("before the first step finished" if self.step == start_step else
+                    f"at step {self.step}" if self.run_folder.pending else
                     f"at step {self.step} (under torchrun a stop writes no checkpoint; "
                     "--save-every sets how often one is written)")
             err = LeantuneError(f"{what} {when}; {note}")
@@ -591,7 +593,7 @@ class Trainer:
                 _set_rng_state(step_start[2])
             path = self.save_checkpoint()
             err = LeantuneError(f"{what} at step {self.step}; checkpoint saved to {path}; "
-                                "continue with the same command plus --resume")
+                                f"continue with {resume_hint(self.cfg)}")
         err.exit_code = signals.exit_code(interrupt)
         return err
 
@@ -637,8 +639,7 @@ class Trainer:
         why = final_incomplete(self.output, self.cfg.full, ckpt)
         if why:
             self.save_final()
-            self.log(f"wrote the final {'model' if self.cfg.full else 'adapter'} from {ckpt} "
-                     f"({why})")
+            self.log(f"wrote the final {'model' if self.cfg.full else 'adapter'} from {ckpt}")
         return TrainResult(self.step, None, self.first_eval_loss, None, self.output, 0.0)
 
     def save_checkpoint(self) -> Path:

@@ -39,7 +39,7 @@ from ..export.full import TOKENIZER_FILES
 from ..utils import signals
 from ..utils.io import atomic_write_json, fsync_dir, remove, replace
 from ..utils.lock import lock_run
-from .checkpoint import CKPT_DIR, latest_checkpoint, refuse_pickled
+from .checkpoint import CKPT_DIR, check_resume_settings, latest_checkpoint, refuse_pickled
 from .merge_at_end import MERGED_DIR
 from .plot import PLOT_NAME
 from .reporting import TENSORBOARD_DIR
@@ -160,10 +160,12 @@ class RunFolder:
         self.log(f"note: put back the previous run that an --overwrite stopped before its "
                  f"first checkpoint had set aside in {self.aside}")
 
-    def check(self, resume: bool, overwrite: bool) -> None:
+    def check(self, resume: bool, overwrite: bool, cfg=None) -> None:
         """Refuse to clobber a previous run unless --overwrite or --resume; --resume needs a
-        checkpoint that leantune loads. A run stopped before its first checkpoint is no
-        previous run: it is replaced (its files set aside until this run has a checkpoint)."""
+        checkpoint that leantune loads, whose state.json is sound and whose settings are
+        `cfg`'s (checked here, before the weights load). A run stopped before its first
+        checkpoint is no previous run: it is replaced (its files set aside until this run has a
+        checkpoint)."""
         previous = [m for m in RUN_MARKERS if (self.output / m).exists()]
         if previous and not (resume or overwrite):
             if self.unstarted():
@@ -180,6 +182,8 @@ class RunFolder:
                 raise LeantuneError(f"{self.output}: --resume given but no checkpoint found in "
                                     f"{self.output / CKPT_DIR}; start without --resume")
             refuse_pickled(ckpt)
+            if cfg is not None:
+                check_resume_settings(ckpt, cfg)
 
     def unstarted(self) -> bool:
         """A run that left files but nothing to resume or use: no checkpoint, no final result."""

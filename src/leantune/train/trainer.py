@@ -156,7 +156,7 @@ class Trainer:
         self.run_folder = RunFolder(self.output, self.log)
         if self.parallel.writer:  # (the other processes learn of an error through `agreeing`)
             self.run_folder.settle_leftover()
-            self.run_folder.check(cfg.resume, cfg.overwrite)
+            self.run_folder.check(cfg.resume, cfg.overwrite, cfg)  # (+ resume settings)
 
         self.tokenizer = (tokenizer if tokenizer is not None or train_data is not None
                           else load_tokenizer(model_dir))

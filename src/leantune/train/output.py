@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from pathlib import Path
 
 from ..errors import LeantuneError
@@ -54,6 +55,7 @@ RUN_MARKERS = ("adapter_config.json", "adapter_model.safetensors", "metrics.json
 RESULT_MARKERS = ("adapter_config.json", "adapter_model.safetensors", FULL_INDEX, FINAL_JOURNAL)
 SET_ASIDE = ".leantune-previous-run"
 JOURNAL = ".leantune-overwrite.json"
+_STALE = re.compile(r"\..+\.tmp-\d+-[0-9a-f]{8}|\.save-\d+-[0-9a-f]{8}")
 
 
 def run_files(output: Path) -> list[Path]:
@@ -149,6 +151,7 @@ class RunFolder:
         then finish what a killed process left: an --overwrite's set-aside (put back, or
         deleted if the run that set it aside has a checkpoint)."""
         lock_run(self.output)
+        self._remove_stale_temporaries()
         phase = self._phase()
         if phase is None:
             return
@@ -159,6 +162,17 @@ class RunFolder:
         self._roll_back(phase)
         self.log(f"note: put back the previous run that an --overwrite stopped before its "
                  f"first checkpoint had set aside in {self.aside}")
+
+    def _remove_stale_temporaries(self) -> None:
+        """The temporary files and folders of writes a killed run left (utils/io's
+        `.NAME.tmp-PID-XXXXXXXX`, `.save-PID-XXXXXXXX`, a checkpoint's `.tmp-step-N`): this
+        process holds the folder's lock, so none is another run's."""
+        ckpts = self.output / CKPT_DIR
+        found = [*(p for p in self.output.iterdir() if _STALE.fullmatch(p.name)),
+                 *(ckpts.glob(".tmp-step-*") if ckpts.is_dir() and not ckpts.is_symlink()
+                   else [])]
+        for p in found:
+            remove(p)
 
     def check(self, resume: bool, overwrite: bool, cfg=None) -> None:
         """Refuse to clobber a previous run unless --overwrite or --resume; --resume needs a

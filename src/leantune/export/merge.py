@@ -341,8 +341,8 @@ def export_merged(model: str | os.PathLike, adapter_dir: str | os.PathLike | Non
                 set_config_dtype(config, dtype)
             atomic_write_json(tmp / "config.json", config)
             copy_side_files(src, tmp)
-            if adapter is not None and adapter.is_dir():  # a base without tokenizer files: the
-                copy_side_files(adapter, tmp, only_missing=True)  # run saved them beside its adapter
+            if adapter is not None and adapter.is_dir():  # a base without tokenizer files:
+                copy_side_files(adapter, tmp, only_missing=True)  # the run saved them there
             write_generation_config(src, tmp)
             _publish(tmp, out)
         finally:

@@ -7,8 +7,8 @@ lock file). The OS drops the lock when the holder exits or is killed (even SIGKI
 never leaves a folder locked; a lock file left behind by a killed process is simply taken again.
 
 - `lock_run(folder)`: OUTPUT/.leantune.lock, inside the run folder (which is never renamed).
-- `lock_beside(folder)` (a `with` block): PARENT/.NAME.leantune-lock, for a folder that is replaced by a rename
-  (an export): a lock inside it would move away with the old folder.
+- `lock_beside(folder)` (a `with` block): PARENT/.NAME.leantune-lock, for a folder that is
+  replaced by a rename (an export): a lock inside it would move away with the old folder.
 
 Within one process a folder already locked is locked again for free (the same process is not a
 second run: tests, and `--merge-at-end` exporting into the run it is finishing). At exit every

@@ -15,7 +15,8 @@ from helpers import quiet, train_cfg
 
 from leantune.errors import LeantuneError
 from leantune.train.config import TrainConfig
-from leantune.train.output import SET_ASIDE, RunFolder
+from leantune.train.output import JOURNAL, SET_ASIDE, RunFolder
+from leantune.utils.lock import LOCK_NAME
 from leantune.train.trainer import Trainer
 
 
@@ -26,7 +27,7 @@ def cfg_for(model, data, output, **kw) -> TrainConfig:
 def snapshot(folder) -> dict[str, bytes]:
     """Every file under `folder` (relative path -> bytes)."""
     return {str(p.relative_to(folder)): p.read_bytes()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != LOCK_NAME}
 
 
 @pytest.fixture
@@ -168,7 +169,9 @@ def test_overwrite_puts_the_previous_run_back_when_the_new_one_fails_early(old_r
         tr.train()
     if how == "interrupt":
         assert str(e.value) == (f"interrupted (Ctrl-C) before the first step finished; the "
-                                f"previous run in {tmp_path / 'run'} is put back as it was")
+                                f"previous run in {tmp_path / 'run'} is put back as it was "
+                                "(--overwrite replaces it only from this run's first "
+                                "checkpoint, --save-every); run the same command to start again")
     if how == "nan":
         assert "no checkpoint was written" in str(e.value)
     assert snapshot(tmp_path / "run") == before
@@ -206,7 +209,7 @@ def test_a_full_run_is_replaced_whole(tmp_path):
     (out / "my_config.json").write_text("mine")
     rf = RunFolder(out, log=quiet)
     rf.begin(overwrite=True)
-    assert sorted(p.name for p in out.iterdir()) == [SET_ASIDE, "my_config.json"]
+    assert sorted(p.name for p in out.iterdir()) == [JOURNAL, SET_ASIDE, "my_config.json"]
     rf.commit()
     assert sorted(p.name for p in out.iterdir()) == ["my_config.json"]
 

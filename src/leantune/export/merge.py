@@ -17,8 +17,10 @@ that checkpoint as --model: the adapter is merged onto its 16-bit weights. A pre
 4-bit checkpoint was made from, checked to have the same tensors and shapes: a better base than
 the dequantised one, where it is at hand.
 
-The export is written into a hidden folder beside OUT and renamed into place at the end: a failed or interrupted export
-leaves OUT as it was, and OUT may never be, contain or lie inside the base or adapter folder (a
+The export is written into a hidden folder beside OUT and renamed into place at the end (a short
+journal of renames, `_publish`, whose every prefix the next export mends: `recover_publish`); a
+failed, interrupted or killed export leaves OUT as it was, one export at a time holds OUT (a lock
+file beside it), and OUT may never be, contain or lie inside the base or adapter folder (a
 subfolder of the adapter's folder is fine: a run's own merged/).
 """
 
@@ -45,7 +47,8 @@ from ..model.transformer import CausalLM
 from ..model.weight_map import read_piece_into
 from ..train.checkpoint import latest_checkpoint
 from ..utils import signals
-from ..utils.io import atomic_write_json
+from ..utils.io import atomic_write_json, fsync_dir, remove, replace
+from ..utils.lock import lock_beside
 from ..utils.paths import check_output_folder
 from .full import TOKENIZER_FILES, copy_side_files, set_config_dtype
 from .serving import write_generation_config
@@ -314,37 +317,38 @@ def export_merged(model: str | os.PathLike, adapter_dir: str | os.PathLike | Non
     onto = resolve_checkpoint(merge_onto) if merge_onto is not None else None
     check_output_folder(out, {"base model": src, "adapter": adapter, "original model": onto},
                         may_lie_inside=("adapter",))
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise LeantuneError(f"{out}: output folder is not empty; choose a new folder or pass "
-                            "--overwrite")
-    weights = MergedWeights(src, adapter, log, onto)  # checks the adapter fits this base
-    out_dtype = DTYPES[dtype] if dtype else None
-    entries = []
-    for key, shape in weights.shapes.items():
-        st_dtype = weights.st_dtypes[key]
-        is_float = st_dtype.startswith(("F", "BF"))
-        itemsize = (out_dtype.itemsize if out_dtype is not None and is_float
-                    else _itemsize(st_dtype))
-        entries.append((key, _numel(shape) * itemsize,
-                        lambda key=key: weights.tensor(key, out_dtype)))
+    with lock_beside(out):  # one export into `out` at a time (a second names its PID)
+        recover_publish(out)  # first, what an export killed in `out` left
+        if out.exists() and any(out.iterdir()) and not overwrite:
+            raise LeantuneError(f"{out}: output folder is not empty; choose a new folder or pass "
+                                "--overwrite")
+        weights = MergedWeights(src, adapter, log, onto)  # checks the adapter fits this base
+        out_dtype = DTYPES[dtype] if dtype else None
+        entries = []
+        for key, shape in weights.shapes.items():
+            st_dtype = weights.st_dtypes[key]
+            is_float = st_dtype.startswith(("F", "BF"))
+            itemsize = (out_dtype.itemsize if out_dtype is not None and is_float
+                        else _itemsize(st_dtype))
+            entries.append((key, _numel(shape) * itemsize,
+                            lambda key=key: weights.tensor(key, out_dtype)))
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    try:
-        tmp.mkdir()
-        write_sharded(entries, tmp, max_shard_bytes)
-        config = weights.hf_config()
-        if out_dtype is not None:
-            set_config_dtype(config, dtype)
-        atomic_write_json(tmp / "config.json", config)
-        copy_side_files(src, tmp)
-        if adapter is not None and adapter.is_dir():  # a base without tokenizer files: the
-            copy_side_files(adapter, tmp, only_missing=True)  # run saved them beside its adapter
-        write_generation_config(src, tmp)
-        _publish(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        tmp, _ = _stage_names(out)
+        try:
+            tmp.mkdir()
+            write_sharded(entries, tmp, max_shard_bytes)
+            config = weights.hf_config()
+            if out_dtype is not None:
+                set_config_dtype(config, dtype)
+            atomic_write_json(tmp / "config.json", config)
+            copy_side_files(src, tmp)
+            if adapter is not None and adapter.is_dir():  # a base without tokenizer files:
+                copy_side_files(adapter, tmp, only_missing=True)  # the run saved them there
+            write_generation_config(src, tmp)
+            _publish(tmp, out)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp)
     return out
 
 
@@ -353,22 +357,67 @@ def _is_export_file(name: str) -> bool:
             or re.fullmatch(r"model.*\.safetensors", name) is not None)
 
 
+def _stage_names(out: Path) -> tuple[Path, Path]:
+    """The new export's folder while it is written, and the previous export's while the new one
+    takes its place: fixed names beside `out` (one export at a time holds `out`: lock_beside),
+    so the next export finds what a killed one left."""
+    return (out.with_name(f".{out.name}.leantune-tmp"),
+            out.with_name(f".{out.name}.leantune-old"))
+
+
 def _publish(tmp: Path, out: Path) -> None:
-    """Put the finished export `tmp` in place of `out`. A previous `out` is renamed aside, the
-    new one renamed in (so no stale shard of a previous export survives), then the files of the
-    previous folder that are not an export's (a user's notes) move over and the rest is
-    deleted."""
+    """Put the finished export `tmp` in place of `out`: the journal is the folders' names.
+        1. out -> OLD          (a kill here: out missing, OLD there -> OLD goes back to out)
+        2. tmp -> out          (a kill here: out and OLD there -> step 3 is finished)
+        3. the files of OLD that are not an export's (a user's notes) move into out,
+        4. OLD is deleted.
+    No stale shard of a previous export survives, and no kill leaves `out` missing for good."""
     if not out.exists():
-        os.replace(tmp, out)
+        replace(tmp, out)
+        fsync_dir(out.parent)
         return
-    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    _, old = _stage_names(out)
     with signals.deferred():
-        os.replace(out, old)
-        os.replace(tmp, out)
-    for f in old.iterdir():
-        if not _is_export_file(f.name):
-            os.replace(f, out / f.name)
-    shutil.rmtree(old)
+        replace(out, old)
+        replace(tmp, out)
+        fsync_dir(out.parent)
+    _merge_back(old, out)
+
+
+def _merge_back(old: Path, out: Path) -> None:
+    """Steps 3-4 of `_publish`: keep the user's files of the previous export folder `old`."""
+    for f in sorted(old.iterdir()):
+        if not _is_export_file(f.name) and not (out / f.name).exists():
+            replace(f, out / f.name)
+    fsync_dir(out)
+    remove(old)
+
+
+def recover_publish(out: Path) -> None:
+    """Finish or undo what an export killed while publishing into `out` left beside it (and the
+    `.tmp-PID` / `.old-PID` folders of leantune <= 0.3): a previous export renamed aside while
+    `out` is missing goes back; one renamed aside after the new one arrived gives up its user
+    files and goes; an unfinished new export is deleted."""
+    tmp, old = _stage_names(out)
+    olds = [old, *sorted(out.parent.glob(f".{glob_escape(out.name)}.old-*"))]
+    tmps = [tmp, *sorted(out.parent.glob(f".{glob_escape(out.name)}.tmp-*"))]
+    for o in olds:
+        if not o.is_dir() or o.is_symlink():
+            continue
+        if not out.exists():
+            replace(o, out)  # killed between the renames: the previous export comes back
+            fsync_dir(out.parent)
+        else:
+            _merge_back(o, out)
+    for t in tmps:
+        if t.exists() or t.is_symlink():
+            remove(t)
+
+
+def glob_escape(name: str) -> str:
+    import glob
+
+    return glob.escape(name)
 
 
 def _numel(shape) -> int:

@@ -27,7 +27,7 @@ import torch
 
 from ..dist.tensors import copy_full_into, full_tensor, like_param
 from ..errors import LeantuneError
-from ..utils.io import atomic_write_json
+from ..utils.io import atomic_write_json, fsync_dir, remove, replace
 
 CKPT_DIR = "checkpoints"
 PICKLED = ("optimizer.pt", "rng.pt")  # what leantune 0.1 wrote; never loaded
@@ -110,6 +110,12 @@ def _optimizer_state_dict(saved, model, optimizer, where: Path, same: str) -> di
     if len(saved_groups) != len(optimizer.param_groups):
         raise LeantuneError(f"{where}: the optimizer state has {len(saved_groups)} parameter "
                             f"groups, this run {len(optimizer.param_groups)}; {same}")
+    known = {n for g in saved_groups for n in g["params"]}
+    stray = sorted(set(per_param) - known)
+    if stray:
+        raise LeantuneError(f"{where}: optimizer.safetensors holds state for {stray[0]}, which "
+                            "no parameter group of optimizer.json names; the checkpoint is "
+                            "corrupt: delete it to resume from the one before")
     state, groups, index = {}, [], 0
     for group, saved_group in zip(optimizer.param_groups, saved_groups):
         mine = [names[id(p)] for p in group["params"]]
@@ -121,12 +127,154 @@ def _optimizer_state_dict(saved, model, optimizer, where: Path, same: str) -> di
         indices = list(range(index, index + len(mine)))
         for i, name, p in zip(indices, mine, group["params"]):
             if name in per_param:  # (sharded like the parameter where it is: FSDP2)
+                _check_optimizer_tensors(where, name, per_param[name], _full_shape(p))
                 state[i] = {k: like_param(v, p) for k, v in per_param[name].items()}
         hyper = {k: tuple(v) if isinstance(v, list) else v for k, v in saved_group.items()
                  if k != "params"}
         groups.append({**hyper, "params": indices})
         index += len(mine)
     return {"state": state, "param_groups": groups}
+
+
+CORRUPT = "the checkpoint is corrupt or was edited: delete it to resume from the one before"
+ADAM_STATE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")  # shaped like their parameter
+
+
+def _full_shape(p) -> tuple:
+    """The whole parameter's shape (FSDP2: of the DTensor, not this process's shard)."""
+    return tuple(p.shape)
+
+
+def _check_optimizer_tensors(where: Path, name: str, saved: dict, shape: tuple) -> None:
+    """AdamW state of parameter `name` (whole shape `shape`): the moments shaped like it, the
+    step count one finite non-negative number."""
+    for key, t in saved.items():
+        if key in ADAM_STATE:
+            if tuple(t.shape) != shape or not t.is_floating_point():
+                raise LeantuneError(f"{where}: optimizer state {name}.{key} has shape "
+                                    f"{tuple(t.shape)} ({t.dtype}), the parameter {shape}; "
+                                    f"{CORRUPT}")
+        elif key == "step":
+            if t.numel() != 1 or not bool(torch.isfinite(t.float()).all()) or float(t) < 0:
+                raise LeantuneError(f"{where}: optimizer state {name}.step is not one "
+                                    f"non-negative number (shape {tuple(t.shape)}); {CORRUPT}")
+        else:
+            raise LeantuneError(f"{where}: optimizer state {name}.{key} is not AdamW state; "
+                                f"{CORRUPT}")
+
+
+def _check_rng(where: Path, st: dict) -> None:
+    """RNG state that this torch and Python take (tried on scratch generators, so a bad one
+    changes nothing): one line instead of their tracebacks."""
+    t = st["torch"]
+    mine = torch.get_rng_state()
+    if t.dtype != torch.uint8 or tuple(t.shape) != tuple(mine.shape):
+        raise LeantuneError(f"{where}: rng.safetensors: the torch RNG state has shape "
+                            f"{tuple(t.shape)} ({t.dtype}), torch needs {tuple(mine.shape)} "
+                            f"(uint8); {CORRUPT}")
+    try:
+        torch.Generator().set_state(t)
+        random.Random().setstate(st["python"])
+    except (RuntimeError, ValueError, TypeError, OverflowError) as e:
+        raise LeantuneError(f"{where}: rng.safetensors: the RNG state does not fit "
+                            f"({' '.join(str(e).split())[:100]}); {CORRUPT}") from None
+    for i, c in enumerate(st.get("cuda", [])):
+        if c.dtype != torch.uint8 or c.dim() != 1:
+            raise LeantuneError(f"{where}: rng.safetensors: CUDA RNG state {i} has shape "
+                                f"{tuple(c.shape)} ({c.dtype}); {CORRUPT}")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# state.json: key -> (what it must be, check); `step` and `data` always, the others where given
+_STATE_FIELDS = {
+    "step": ("a positive integer", lambda v: _is_int(v) and v >= 1),
+    "data": ("an object with integer epoch and batch_index >= 0",
+             lambda v: isinstance(v, dict) and all(_is_int(v.get(k)) and v[k] >= 0
+                                                   for k in ("epoch", "batch_index"))),
+    "total_steps": ("a positive integer", lambda v: _is_int(v) and v >= 1),
+    "tokens_seen": ("a non-negative integer", lambda v: _is_int(v) and v >= 0),
+    "first_eval_loss": ("a number or null",
+                        lambda v: v is None or (isinstance(v, (int, float))
+                                                and not isinstance(v, bool))),
+    "scaler": ("an object or null", lambda v: v is None or isinstance(v, dict)),
+    "config": ("an object", lambda v: isinstance(v, dict)),
+}
+_REQUIRED = ("step", "data")
+
+
+def read_state(path: Path) -> dict:
+    """state.json of checkpoint `path`, checked: every field of the right type and range, and
+    the step the one the folder is named for (step-00000012: 12). One line otherwise; a checkpoint
+    that fails is never used (a step of -1 would drop the whole metrics history)."""
+    f = path / "state.json"
+    try:
+        state = json.loads(f.read_text())
+    except FileNotFoundError:
+        raise LeantuneError(f"{f}: not found; {CORRUPT}") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise LeantuneError(f"{f}: not valid JSON ({type(e).__name__}); {CORRUPT}") from None
+    if not isinstance(state, dict):
+        raise LeantuneError(f"{f}: expected a JSON object, got {type(state).__name__}; {CORRUPT}")
+    for key in _REQUIRED:
+        if key not in state:
+            raise LeantuneError(f"{f}: the key {key!r} is missing; {CORRUPT}")
+    for key, (what, ok) in _STATE_FIELDS.items():
+        if key in state and not ok(state[key]):
+            raise LeantuneError(f"{f}: {key} is {json.dumps(state[key])[:60]}, expected {what}; "
+                                f"{CORRUPT}")
+    named = path.name[len("step-"):] if path.name.startswith("step-") else None
+    if named is not None and named.isdigit() and int(named) != state["step"]:
+        raise LeantuneError(f"{f}: step is {state['step']}, but the folder is {path.name}; "
+                            f"{CORRUPT}")
+    return state
+
+
+# Settings that change what the remaining steps compute (or the shapes being trained): a
+# --resume with other values would not continue the run, and is refused before the weights load.
+# (--max-steps / --epochs may change: that extends or shortens the run; the data, batch size,
+# max_seq_len and seed are checked by the data loader.)
+RESUME_MUST_MATCH = ("grad_accum", "lr", "weight_decay", "warmup_steps", "schedule",
+                     "max_grad_norm", "dtype", "train_on_inputs", "router_aux_loss_coef",
+                     "load_in_4bit", "full", "lora_alpha", "use_rslora")
+# (--lora-r and --lora-targets change the shapes: the checkpoint loader names the parameter)
+
+
+def _comparable(value):
+    return json.loads(json.dumps(value))
+
+
+def check_resume_settings(ckpt: Path, cfg) -> dict:
+    """Refuse a --resume whose settings differ from those checkpoint `ckpt` was written with
+    (its state.json, checked: `read_state`); reads no tensor, so it runs before the weights
+    load. Returns the state."""
+    from dataclasses import fields
+
+    from .config import FLAT_KEYS, FLAT_NAMES, TrainConfig
+
+    state = read_state(ckpt)
+    saved = state.get("config") or {}
+    was = TrainConfig.from_dict(saved)  # nested, or flat as runs before the sections wrote it
+
+    def recorded(key):  # a setting the checkpoint's config holds (flat or in its section)
+        if key in FLAT_KEYS:
+            section, name = FLAT_KEYS[key]
+            return key in saved or name in (saved.get(section) or {})
+        return key in saved
+
+    keys = [k for k in RESUME_MUST_MATCH if recorded(k)]
+    if isinstance(saved.get("objective"), dict):  # the objective and its settings too
+        keys += [FLAT_NAMES[("objective", f.name)] for f in fields(was.objective)]
+    for key in keys:
+        if _comparable(was.get(key)) != _comparable(cfg.get(key)):
+            flag = "--" + key.replace("_", "-")
+            raise LeantuneError(
+                f"{ckpt}: the run was started with {flag} {was.get(key)}, this command has "
+                f"{cfg.get(key)}; resume with the same value (or start a new run in "
+                "another --output)")
+    return state
 
 
 def save_checkpoint(output: Path, step: int, model, optimizer, state: dict, keep: int = 2,
@@ -156,10 +304,11 @@ def save_checkpoint(output: Path, step: int, model, optimizer, state: dict, keep
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
     if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+        remove(final)
+    replace(tmp, final)
+    fsync_dir(root)
     for old in sorted(root.glob("step-*"))[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+        remove(old)
     return final
 
 
@@ -186,14 +335,15 @@ def load_checkpoint(path: Path, model, optimizer) -> dict:
 
     refuse_pickled(path)
     same = "resume with the same model and LoRA settings"
+    state = read_state(path)
     try:
-        state = json.loads((path / "state.json").read_text())
         tensors = load_file(str(path / "trainable.safetensors"))
         saved_optimizer = _read_optimizer(path)
         rng_state = _load_rng(path / "rng.safetensors")
     except Exception as e:
         raise LeantuneError(f"{path}: checkpoint is unreadable ({type(e).__name__}); delete it "
                             "to resume from the one before") from None
+    _check_rng(path, rng_state)
     params = dict(model.named_parameters())
     for n, t in tensors.items():
         if n not in params:

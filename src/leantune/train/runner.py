@@ -44,7 +44,7 @@ from .checkpoint import _rng_state, _set_rng_state, latest_checkpoint
 from .health import diverged_advice
 from .merge_at_end import merge_at_end
 from .metrics import NoMetrics, Progress
-from .output import FULL_INDEX, RUN_CONFIG
+from .output import RUN_CONFIG, final_incomplete, overwrite_stopped_note, resume_hint
 from .plot import plot_after_training
 from .reporting import open_reporting
 from .samples import SAMPLES
@@ -281,15 +281,16 @@ class StepRunner:
         what = signals.describe(interrupt)
         # no step finished: nothing worth a checkpoint; under torchrun the other processes may
         # be anywhere in a step (in a collective, or stopped): none is written from here
-        if self.step == start_step or self.parallel.launched:
-            if self.run_folder.pending:
-                note = f"the previous run in {self.output} is put back as it was"
+        if self.step == start_step or self.parallel.launched or self.run_folder.pending:
+            if self.run_folder.pending:  # (this run is worth less than it: output.py)
+                note = overwrite_stopped_note(self.output, self.step - start_step)
             elif self.saved_step is not None:
                 note = (f"its checkpoint at step {self.saved_step} is unchanged; continue with "
                         "the same command plus --resume")
             else:
                 note = "nothing was saved; run the command again to start over"
             when = ("before the first step finished" if self.step == start_step else
+                    f"at step {self.step}" if self.run_folder.pending else
                     f"at step {self.step} (under torchrun a stop writes no checkpoint; "
                     "--save-every sets how often one is written)")
             err = LeantuneError(f"{what} {when}; {note}")
@@ -301,7 +302,7 @@ class StepRunner:
                 _set_rng_state(step_start[2])
             path = self.save_checkpoint()
             err = LeantuneError(f"{what} at step {self.step}; checkpoint saved to {path}; "
-                                "continue with the same command plus --resume")
+                                f"continue with {resume_hint(self.cfg)}")
         err.exit_code = signals.exit_code(interrupt)
         return err
 
@@ -341,9 +342,9 @@ class StepRunner:
         (or model) is written from the checkpoint if it is missing or older."""
         self.log(f"{self.output}: the run already finished at step {self.step}; nothing to do "
                  "(to train on, --resume with a larger --max-steps or --epochs)")
-        final = self.output / (FULL_INDEX if self.cfg.full else "adapter_model.safetensors")
         ckpt = latest_checkpoint(self.output)
-        if not final.exists() or final.stat().st_mtime < ckpt.stat().st_mtime:
+        why = final_incomplete(self.output, self.cfg.full, ckpt)
+        if why:
             self.save_final()
             self.log(f"wrote the final {'model' if self.cfg.full else 'adapter'} from {ckpt}")
         return TrainResult(self.step, None, self.first_eval_loss, None, self.output, 0.0)

@@ -36,7 +36,7 @@ from .config import FLAT_NAMES, TrainConfig
 from .health import NonFiniteWatch
 from .merge_at_end import check_merge_at_end
 from .objectives import objective_for
-from .output import RunFolder
+from .output import RunFolder, final_save
 from .preflight import check_settings, check_weights, locate_model
 from .reporting import check_report_to
 from .runner import StepRunner, TrainResult, drop_metrics_after, peak_memory_gib  # noqa: F401
@@ -129,7 +129,7 @@ class Trainer(StepRunner):
         self.run_folder = RunFolder(self.output, self.log)
         if self.parallel.writer:  # (the other processes learn of an error through `agreeing`)
             self.run_folder.settle_leftover()
-            self.run_folder.check(cfg.resume, cfg.overwrite)
+            self.run_folder.check(cfg.resume, cfg.overwrite, cfg)  # (+ resume settings)
 
         self.tokenizer = (tokenizer if tokenizer is not None or train_data is not None
                           else load_tokenizer(model_dir))
@@ -377,15 +377,18 @@ class Trainer(StepRunner):
         """LoRA: PEFT adapter files. Full: a HF checkpoint of the trained weights. (Under
         torchrun every process takes part, FSDP2 gathering the weights; rank 0 writes.)"""
         write = self.parallel.writer
-        if self.cfg.full:
-            from ..export.full import save_full_model
+        with final_save(self.output, self.step, write):  # (a kill inside: --resume redoes it)
+            if self.cfg.full:
+                from ..export.full import save_full_model
 
-            save_full_model(self.model, self.output,
-                            source=getattr(self.model, "source_path", None), write=write)
-        else:
-            save_adapter(self.model, self.output, base_model_name=self.cfg.model, write=write)
-        if write and self.tokenizer is not None and hasattr(self.tokenizer, "save_pretrained"):
-            self.tokenizer.save_pretrained(str(self.output))
+                save_full_model(self.model, self.output,
+                                source=getattr(self.model, "source_path", None), write=write)
+            else:
+                save_adapter(self.model, self.output, base_model_name=self.cfg.model,
+                             write=write)
+            if write and self.tokenizer is not None and hasattr(self.tokenizer,
+                                                                "save_pretrained"):
+                self.tokenizer.save_pretrained(str(self.output))
 
 
 def _quiet(*_args, **_kw) -> None:

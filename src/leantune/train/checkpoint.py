@@ -191,9 +191,10 @@ def _is_int(v) -> bool:
 # state.json: key -> (what it must be, check); `step` and `data` always, the others where given
 _STATE_FIELDS = {
     "step": ("a positive integer", lambda v: _is_int(v) and v >= 1),
-    "data": ("an object with integer epoch and batch_index >= 0",
-             lambda v: isinstance(v, dict) and all(_is_int(v.get(k)) and v[k] >= 0
-                                                   for k in ("epoch", "batch_index"))),
+    # (the loader's own state: its load_state_dict checks the rest, as it knows its fields)
+    "data": ("an object whose epoch and batch_index, where given, are integers >= 0",
+             lambda v: isinstance(v, dict) and all(_is_int(v[k]) and v[k] >= 0
+                                                   for k in ("epoch", "batch_index") if k in v)),
     "total_steps": ("a positive integer", lambda v: _is_int(v) and v >= 1),
     "tokens_seen": ("a non-negative integer", lambda v: _is_int(v) and v >= 0),
     "first_eval_loss": ("a number or null",

@@ -7,6 +7,9 @@
 #   parts: checks kernels speed speed-llama speed-qwen3 memory loss loss-fp32
 #          moe (MoE checks, routing, end to end vs transformers + PEFT), moe-budget,
 #          qlora (8B with the bitsandbytes baseline: carry its wheel), dist (torchrun, 1 GPU)
+#          preference (issue 20's DPO step at the 8B shape, reference each step and precomputed,
+#          vs TRL DPOTrainer + PEFT: carry trl/datasets wheels), logprobs (kernels.token_logprobs
+#          vs full logits), speed-8b (the 8B SFT step alone)
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-bench-out}; export OUT; mkdir -p "$OUT"
@@ -27,6 +30,11 @@ for p in $parts; do
     speed|speed-llama)
              speed llama-3.2-1b 120 auto@4
              speed llama-3.1-8b 150 auto@17 ;;
+    speed-8b) speed llama-3.1-8b 150 auto@17 ;;
+    preference) timeout 330 python bench/gpu_preference.py --precompute-reference 2>&1 \
+               | tee -a "$OUT/log.txt" | grep -v "^{" | grep -v -i warn | tail -n 12 ;;
+    logprobs) timeout 150 python bench/gpu_token_logprobs.py 2>&1 | tee -a "$OUT/log.txt" \
+               | grep -v "^{" | tail -n 14 ;;
     memory)  timeout 150 python bench/memory_peak.py --shape ${MEMORY_SHAPE:-llama-3.1-8b} \
                --policies ${MEMORY_POLICIES:-auto@17} 2>&1 | tee -a "$OUT/log.txt" | tail -n 20 ;;
     loss)    timeout 420 python bench/loss_curve.py --shape ${LOSS_SHAPES:-llama-3.2-1b qwen3-0.6b llama-3.1-8b} \

@@ -235,8 +235,8 @@ def main(argv=None) -> int:
     if not args.no_baseline:
         try:
             import trl  # noqa: F401
-        except ImportError:
-            print("trl does not import: no TRL baseline", flush=True)
+        except Exception as e:  # (absent, or too old / new for this transformers)
+            print(f"trl does not import ({type(e).__name__}: {e}): no TRL baseline", flush=True)
         else:
             runs.append(("trl", lambda: bench_trl(args, items, device)))
     print(f"DPO step, {args.shape}, {args.pairs} pairs x ({args.prompt} prompt + "

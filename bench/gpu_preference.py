@@ -120,7 +120,9 @@ def bench_leantune(args, items, device, precompute: bool) -> dict:
     model, params, opt = trainer.model, trainer.params, trainer.optimizer
     with tempfile.TemporaryDirectory() as out:
         obj = DPOObjective(objective_cfg(seq, args.pairs, out, precompute), log=lambda *a: None)
-        loader = obj.make_loader(Pairs(items), None, shuffle=False)
+        # the training loader (shuffle=True: a training split, so the precomputed reference
+        # is read; the batch below names its items explicitly, so the order does not matter)
+        loader = obj.make_loader(Pairs(items), None, shuffle=True)
         prep_s = None
         if precompute:
             sync(device)
@@ -143,6 +145,31 @@ def bench_leantune(args, items, device, precompute: bool) -> dict:
         reset_peak(device)
         times = step_times(step, args.warmup, args.steps, device)
         peak = peak_gib(device)
+        if args.phases:  # where the step's time goes (median ms each)
+            from leantune.train.objectives.preference import policy_logps, reference_logps
+
+            def policy_only():
+                policy_logps(model, batch)[0].sum().backward()
+                opt.zero_grad(set_to_none=True)
+
+            def sft_same_rows():
+                model(batch=batch.batch, loss_only=True).loss_sum.backward()
+                opt.zero_grad(set_to_none=True)
+
+            print(f"phase  [{'precomputed reference' if precompute else 'reference each step'}]"
+                  f" table {None if obj.reference_table is None else tuple(obj.reference_table.shape)}",
+                  flush=True)
+            for name, fn in (("objective.reference()", lambda: obj.reference(model, batch)),
+                             ("reference pass (no grad)", lambda: reference_logps(model, batch)),
+                             ("policy token_logps fwd+bwd", policy_only),
+                             ("SFT loss fwd+bwd, same rows", sft_same_rows),
+                             ("whole DPO step", step)):
+                ms = 1e3 * median(step_times(fn, 1, args.steps, device))
+                print(f"phase  {name:<30} {ms:8.1f} ms", flush=True)
+            b = batch.batch
+            print(f"phase  packed rows {tuple(b.input_ids.shape)}, documents "
+                  f"{b.cu_seqlens.numel() - 1}, targets {int((b.labels != -100).sum())}",
+                  flush=True)
     plan = getattr(trainer, "activation_policy", args.policy)
     del trainer, model, params, opt
     return {"step_s": median(times), "peak_gib": peak, "plan": str(plan),
@@ -218,6 +245,8 @@ def main(argv=None) -> int:
     ap.add_argument("--precompute-reference", action="store_true",
                     help="also time leantune with the reference log-probs precomputed")
     ap.add_argument("--no-baseline", action="store_true", help="skip TRL")
+    ap.add_argument("--phases", action="store_true",
+                    help="also time the reference pass, the policy pass and an SFT step apart")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true",
                     help="CPU dry run in seconds: the tiny shape, 2 pairs of 16 + 16 tokens")

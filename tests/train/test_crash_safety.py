@@ -27,7 +27,6 @@ from leantune.train.checkpoint import latest_checkpoint
 from leantune.train.output import FINAL_JOURNAL, JOURNAL, SET_ASIDE, RunFolder
 from leantune.train.trainer import Trainer
 from leantune.utils import faults
-from leantune.utils.lock import LOCK_NAME
 
 
 def in_child(fn, kill_at: int | None = None, trace: Path | None = None) -> int | str:
@@ -66,7 +65,7 @@ def kill_points(fn, tmp_path: Path) -> list[str]:
 
 def snapshot(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.name != LOCK_NAME}
+            if p.is_file()}
 
 
 def final_files(out: Path) -> dict[str, bytes]:

@@ -16,7 +16,6 @@ from helpers import quiet, train_cfg
 from leantune.errors import LeantuneError
 from leantune.train.config import TrainConfig
 from leantune.train.output import JOURNAL, SET_ASIDE, RunFolder
-from leantune.utils.lock import LOCK_NAME
 from leantune.train.trainer import Trainer
 
 
@@ -27,7 +26,7 @@ def cfg_for(model, data, output, **kw) -> TrainConfig:
 def snapshot(folder) -> dict[str, bytes]:
     """Every file under `folder` (relative path -> bytes)."""
     return {str(p.relative_to(folder)): p.read_bytes()
-            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != LOCK_NAME}
+            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture

@@ -79,6 +79,7 @@ def _data(key, value):
     (_drop("data"), "the key 'data' is missing"),
     (_data("epoch", "x"), "data is .*, expected an object whose epoch and batch_index"),
     (_data("batch_index", -3), "data is .*, expected an object whose epoch and batch_index"),
+    (lambda state: state["data"].pop("epoch"), "data has no 'epoch'"),
     (_set("tokens_seen", -5), "tokens_seen is -5, expected a non-negative integer"),
     (_set("total_steps", None), "total_steps is null, expected a positive integer"),
     (_set("first_eval_loss", "low"), 'first_eval_loss is "low", expected a number or null'),

@@ -62,21 +62,21 @@ def test_a_second_train_into_a_held_folder_is_refused(tiny_ckpt, alpaca_file, tm
         assert res.returncode == 2, res.stderr
         assert one_line(res.stderr) == (
             f"leantune: error: {out}: this output folder is in use by another leantune process "
-            f"(PID {holder.pid}, lock {out / lock.LOCK_NAME}); wait for it to end, or choose "
+            f"(PID {holder.pid}, lock {lock.lock_path(out)}); wait for it to end, or choose "
             "another --output")
-        assert sorted(p.name for p in out.iterdir()) == [lock.LOCK_NAME]  # nothing written
+        assert not out.exists()  # nothing written
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
     # the holder died without cleaning up: its lock went with it, the stale file is reused
-    assert (out / lock.LOCK_NAME).exists()
+    assert lock.lock_path(out).exists()
     from leantune.train.trainer import Trainer
 
     result = Trainer(train_cfg(tiny_ckpt, alpaca_file, out, max_steps=1), log=quiet).train()
     assert result.steps == 1
-    assert (out / lock.LOCK_NAME).read_text().strip() == str(os.getpid())
+    assert lock.lock_path(out).read_text().strip() == str(os.getpid())
     lock.release(out)
-    assert not (out / lock.LOCK_NAME).exists()
+    assert not lock.lock_path(out).exists()
 
 
 def test_a_second_export_into_a_held_folder_is_refused(tiny_ckpt, tmp_path):  # noqa: F811
@@ -94,18 +94,19 @@ def test_a_second_export_into_a_held_folder_is_refused(tiny_ckpt, tmp_path):  # 
         holder.wait()
 
 
-def test_a_lock_taken_in_a_new_folder_leaves_nothing_when_given_back(tmp_path):
+def test_a_lock_creates_no_folder_and_leaves_nothing_when_given_back(tmp_path):
     out = tmp_path / "a" / "b"
     lock.lock_run(out)
     lock.lock_run(out)  # the same process: not a second run
+    assert not out.exists()
     lock.release(out)
-    assert not out.exists() or not any(out.iterdir())
+    assert list((tmp_path / "a").iterdir()) == []
 
 
 def test_a_linked_lock_file_is_refused(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
-    (out / lock.LOCK_NAME).symlink_to(tmp_path / "elsewhere")
+    lock.lock_path(out).symlink_to(tmp_path / "elsewhere")
     with pytest.raises(LeantuneError, match="is a symbolic link"):
         lock.lock_run(out)
     assert not (tmp_path / "elsewhere").exists()

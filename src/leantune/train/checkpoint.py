@@ -203,13 +203,11 @@ _STATE_FIELDS = {
     "scaler": ("an object or null", lambda v: v is None or isinstance(v, dict)),
     "config": ("an object", lambda v: isinstance(v, dict)),
 }
-_REQUIRED = ("step", "data")
-
-
-def read_state(path: Path) -> dict:
-    """state.json of checkpoint `path`, checked: every field of the right type and range, and
-    the step the one the folder is named for (step-00000012: 12). One line otherwise; a checkpoint
-    that fails is never used (a step of -1 would drop the whole metrics history)."""
+def read_state(path: Path, required: tuple = ("step",)) -> dict:
+    """state.json of checkpoint `path`, checked: the `required` keys there, every field of the
+    right type and range, and the step the one the folder is named for (step-00000012: 12).
+    One line otherwise; a checkpoint that fails is never used (a step of -1 would drop the
+    whole metrics history)."""
     f = path / "state.json"
     try:
         state = json.loads(f.read_text())
@@ -219,7 +217,7 @@ def read_state(path: Path) -> dict:
         raise LeantuneError(f"{f}: not valid JSON ({type(e).__name__}); {CORRUPT}") from None
     if not isinstance(state, dict):
         raise LeantuneError(f"{f}: expected a JSON object, got {type(state).__name__}; {CORRUPT}")
-    for key in _REQUIRED:
+    for key in required:
         if key not in state:
             raise LeantuneError(f"{f}: the key {key!r} is missing; {CORRUPT}")
     for key, (what, ok) in _STATE_FIELDS.items():
@@ -255,7 +253,10 @@ def check_resume_settings(ckpt: Path, cfg) -> dict:
 
     from .config import FLAT_KEYS, FLAT_NAMES, TrainConfig
 
-    state = read_state(ckpt)
+    state = read_state(ckpt, required=("step", "data"))
+    for key in ("epoch", "batch_index"):  # (what the trainer resumes the data loader from)
+        if key not in state["data"]:
+            raise LeantuneError(f"{ckpt / 'state.json'}: data has no {key!r}; {CORRUPT}")
     saved = state.get("config") or {}
     was = TrainConfig.from_dict(saved)  # nested, or flat as runs before the sections wrote it
 

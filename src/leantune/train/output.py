@@ -167,6 +167,8 @@ class RunFolder:
         """The temporary files and folders of writes a killed run left (utils/io's
         `.NAME.tmp-PID-XXXXXXXX`, `.save-PID-XXXXXXXX`, a checkpoint's `.tmp-step-N`): this
         process holds the folder's lock, so none is another run's."""
+        if not self.output.is_dir() or self.output.is_symlink():
+            return
         ckpts = self.output / CKPT_DIR
         found = [*(p for p in self.output.iterdir() if _STALE.fullmatch(p.name)),
                  *(ckpts.glob(".tmp-step-*") if ckpts.is_dir() and not ckpts.is_symlink()

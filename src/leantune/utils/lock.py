@@ -6,13 +6,14 @@ and keeps it open; the second is refused in one line naming the first one's PID 
 lock file). The OS drops the lock when the holder exits or is killed (even SIGKILL), so a crash
 never leaves a folder locked; a lock file left behind by a killed process is simply taken again.
 
-- `lock_run(folder)`: OUTPUT/.leantune.lock, inside the run folder (which is never renamed).
-- `lock_beside(folder)` (a `with` block): PARENT/.NAME.leantune-lock, for a folder that is
-  replaced by a rename (an export): a lock inside it would move away with the old folder.
+The lock file is PARENT/.NAME.leantune-lock, beside the folder, not in it: an export's folder
+is replaced by a rename (a lock inside would move away with the old folder), and a run's folder
+need not exist yet (a run whose checks fail leaves no folder behind).
+- `lock_run(folder)`: held until the process ends (a training run).
+- `lock_beside(folder)`: held for a `with` block (an export).
 
 Within one process a folder already locked is locked again for free (the same process is not a
-second run: tests, and `--merge-at-end` exporting into the run it is finishing). At exit every
-lock file this process made is removed; a folder it created for the lock alone is removed too.
+second run: tests). At exit every lock file this process made is removed.
 """
 
 from __future__ import annotations
@@ -26,29 +27,23 @@ from pathlib import Path
 
 from ..errors import LeantuneError
 
-LOCK_NAME = ".leantune.lock"
 
 _held: dict[str, "_Lock"] = {}  # lock file path -> the lock this process holds
 
 
 class _Lock:
-    def __init__(self, path: Path, fd: int, created: Path | None):
-        self.path, self.fd, self.created = path, fd, created
+    def __init__(self, path: Path, fd: int):
+        self.path, self.fd = path, fd
 
     def release(self) -> None:
         """Remove the lock file (while still holding it, so no one else holds this file), then
-        close it; rmdir the folder made for it if nothing else came into it."""
+        close it."""
         try:
             if _same_file(self.path, self.fd):
                 self.path.unlink()
         except OSError:
             pass
         os.close(self.fd)
-        if self.created is not None:
-            try:
-                self.created.rmdir()
-            except OSError:
-                pass
 
 
 def _same_file(path: Path, fd: int) -> bool:
@@ -67,7 +62,7 @@ def _holder(path: Path) -> str:
     return f"PID {text}" if text.isdigit() else "another process"
 
 
-def _take(path: Path, what: str, hint: str, created: Path | None) -> _Lock:
+def _take(path: Path, what: str, hint: str) -> _Lock:
     key = str(path.resolve(strict=False))
     if key in _held:
         return _held[key]
@@ -94,23 +89,22 @@ def _take(path: Path, what: str, hint: str, created: Path | None) -> _Lock:
         os.close(fd)
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    lock = _held[key] = _Lock(path, fd, created)
+    lock = _held[key] = _Lock(path, fd)
     return lock
 
 
-def lock_run(folder: str | os.PathLike) -> None:
-    """Lock the run folder `folder` (created if missing) for this process, or raise
-    LeantuneError naming the PID that holds it."""
+def lock_path(folder: str | os.PathLike) -> Path:
+    """The lock file of `folder`: beside it, in its parent."""
     folder = Path(folder)
-    created = None
-    if not folder.exists():
-        missing = folder
-        while not missing.parent.exists():
-            missing = missing.parent
-        folder.mkdir(parents=True)
-        created = folder if missing == folder else None
-    _take(folder / LOCK_NAME, f"{folder}: this output folder", "choose another --output",
-          created)
+    return folder.with_name(f".{folder.name}.leantune-lock")
+
+
+def lock_run(folder: str | os.PathLike) -> None:
+    """Lock the run folder `folder` for this process (its parent is created if missing), or
+    raise LeantuneError naming the PID that holds it."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    _take(lock_path(folder), f"{folder}: this output folder", "choose another --output")
 
 
 @contextlib.contextmanager
@@ -119,9 +113,9 @@ def lock_beside(folder: str | os.PathLike):
     `with` block; the lock file goes at its end."""
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    path = _beside(folder)
+    path = lock_path(folder)
     new = str(path.resolve(strict=False)) not in _held
-    _take(path, f"{folder}: this output folder", "choose another --output", None)
+    _take(path, f"{folder}: this output folder", "choose another --output")
     try:
         yield
     finally:
@@ -129,14 +123,9 @@ def lock_beside(folder: str | os.PathLike):
             release(folder)
 
 
-def _beside(folder: Path) -> Path:
-    return folder.with_name(f".{folder.name}.leantune-lock")
-
-
 def release(folder: str | os.PathLike | None = None) -> None:
     """Give up the lock(s) this process holds on `folder` (or all of them): tests, and exit."""
-    mine = None if folder is None else {str((Path(folder) / LOCK_NAME).resolve(strict=False)),
-                                        str(_beside(Path(folder)).resolve(strict=False))}
+    mine = None if folder is None else {str(lock_path(folder).resolve(strict=False))}
     for key, lock in list(_held.items()):
         if mine is None or key in mine:
             del _held[key]

@@ -39,7 +39,8 @@ from ..lora import LoRAConfig, apply_lora, save_adapter
 from ..model.config import ModelConfig
 from ..model.loader import DTYPES, build_empty, default_dtype, load_model, resolve_checkpoint
 from ..utils import signals
-from ..utils.io import atomic_write_json, atomic_write_text
+from ..utils.io import (atomic_write_json, atomic_write_text, refuse_link_at,
+                        save_pretrained_safely)
 from ..utils.paths import check_output_folder
 from .checkpoint import (
     _rng_state,
@@ -668,7 +669,7 @@ class Trainer:
         else:
             save_adapter(self.model, self.output, base_model_name=self.cfg.model, write=write)
         if write and self.tokenizer is not None and hasattr(self.tokenizer, "save_pretrained"):
-            self.tokenizer.save_pretrained(str(self.output))
+            save_pretrained_safely(self.tokenizer, self.output)  # (renamed in: no link followed)
 
 
 def _quiet(*_args, **_kw) -> None:
@@ -687,6 +688,7 @@ def budget_message(cfg: TrainConfig, budget: float, e) -> str:
 
 def drop_metrics_after(path: Path, step: int) -> None:
     """Keep only the records of steps <= `step` in metrics.jsonl (resuming from `step`)."""
+    refuse_link_at(path, "metrics log")  # (its target's lines would be copied in)
     if not path.exists():
         return
     lines = path.read_text().splitlines(keepends=True)

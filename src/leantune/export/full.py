@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 from ..dist.tensors import full_tensor
-from ..utils.io import atomic_write_json
+from ..utils.io import atomic_copy, atomic_write_json, check_copy_sources
 from .shards import write_sharded
 
 TOKENIZER_FILES = ["generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -16,12 +15,17 @@ TOKENIZER_FILES = ["generation_config.json", "tokenizer.json", "tokenizer_config
 
 def copy_side_files(src: Path | None, out: Path, only_missing: bool = False) -> None:
     """Copy generation config and tokenizer files that exist in `src` to `out` (only those
-    `out` lacks, with only_missing)."""
+    `out` lacks, with only_missing). Every one is checked before any is copied: a side file that
+    is a link out of the model folder is refused (utils/io.check_copy_sources), and each copy is
+    written beside its destination and renamed over it, so a link at the destination is
+    replaced, never written through."""
     if src is None:
         return
-    for name in TOKENIZER_FILES:
-        if (Path(src) / name).exists() and not (only_missing and (out / name).exists()):
-            shutil.copyfile(Path(src) / name, out / name)
+    for f in check_copy_sources(src, TOKENIZER_FILES):
+        dst = out / f.name
+        if only_missing and (dst.exists() or dst.is_symlink()):
+            continue
+        atomic_copy(f.resolve(), dst)
 
 
 def set_config_dtype(config: dict, dtype: str) -> None:

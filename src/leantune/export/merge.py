@@ -47,7 +47,7 @@ from ..model.transformer import CausalLM
 from ..model.weight_map import read_piece_into
 from ..train.checkpoint import latest_checkpoint
 from ..utils import signals
-from ..utils.io import atomic_write_json, fsync_dir, remove, replace
+from ..utils.io import atomic_write_json, fsync_dir, refuse_link_at, remove, replace
 from ..utils.lock import lock_beside
 from ..utils.paths import check_output_folder
 from .full import TOKENIZER_FILES, copy_side_files, set_config_dtype
@@ -315,6 +315,7 @@ def export_merged(model: str | os.PathLike, adapter_dir: str | os.PathLike | Non
     out = Path(out_dir)
     adapter = Path(adapter_dir) if adapter_dir else None
     onto = resolve_checkpoint(merge_onto) if merge_onto is not None else None
+    refuse_link_at(out, "output folder")  # (a planted RUN/merged link: never written through)
     check_output_folder(out, {"base model": src, "adapter": adapter, "original model": onto},
                         may_lie_inside=("adapter",))
     with lock_beside(out):  # one export into `out` at a time (a second names its PID)

@@ -27,7 +27,7 @@ import torch
 
 from ..dist.tensors import copy_full_into, full_tensor, like_param
 from ..errors import LeantuneError
-from ..utils.io import atomic_write_json, fsync_dir, remove, replace
+from ..utils.io import atomic_write_json, fsync_dir, refuse_links, remove, replace
 
 CKPT_DIR = "checkpoints"
 PICKLED = ("optimizer.pt", "rng.pt")  # what leantune 0.1 wrote; never loaded
@@ -292,6 +292,7 @@ def save_checkpoint(output: Path, step: int, model, optimizer, state: dict, keep
     opt_tensors, opt_groups = _optimizer_state(model, optimizer, write)
     if not write:
         return final
+    refuse_links(final, output)  # a linked checkpoints/ or step folder: never written through
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp-step-{step:08d}"
     if tmp.exists():

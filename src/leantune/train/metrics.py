@@ -8,11 +8,14 @@ from pathlib import Path
 
 
 class MetricsWriter:
-    """Appends one JSON object per line to `path`, flushed at once (a crash loses nothing)."""
+    """Appends one JSON object per line to `path`, flushed at once (a crash loses nothing).
+    A symbolic link at `path` is refused in one line, never written through."""
 
     def __init__(self, path: str | Path, append: bool = False):
+        from ..utils.io import open_append
+
         self.path = Path(path)
-        self._f = open(self.path, "a" if append else "w")
+        self._f = open_append(self.path, truncate=not append)
 
     def write(self, record: dict) -> None:
         self._f.write(json.dumps(record) + "\n")

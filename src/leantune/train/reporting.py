@@ -17,6 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..errors import LeantuneError
+from ..utils.io import refuse_links
 from .metrics import MetricsWriter
 
 REPORTERS = ("tensorboard", "wandb")
@@ -78,6 +79,7 @@ class TensorBoardReporter:
 
     def __init__(self, output: Path, start_step: int):
         summary_writer = _import("tensorboard")
+        refuse_links(output / TENSORBOARD_DIR, output)  # its event files go there
         self.writer = summary_writer(str(output / TENSORBOARD_DIR), purge_step=start_step)
 
     def log(self, record: dict) -> None:
@@ -96,6 +98,7 @@ class WandbReporter:
 
     def __init__(self, output: Path, config: dict):
         wandb = _import("wandb")
+        refuse_links(output / "wandb", output)  # wandb's local files go there
         try:
             self.run = wandb.init(project=os.environ.get("WANDB_PROJECT") or "leantune",
                                   name=output.resolve().name, dir=str(output), config=config)

@@ -39,7 +39,7 @@ import torch
 from ..dist.tensors import full_tensor
 from ..errors import LeantuneError
 from ..utils import signals
-from ..utils.io import atomic_write_json, atomic_write_text
+from ..utils.io import atomic_write_json, atomic_write_text, refuse_link_at
 from .checkpoint import _rng_state, _set_rng_state, latest_checkpoint
 from .health import diverged_advice
 from .merge_at_end import merge_at_end
@@ -358,6 +358,7 @@ def eval_text(ev: dict[str, float]) -> str:
 
 def drop_metrics_after(path: Path, step: int) -> None:
     """Keep only the records of steps <= `step` in metrics.jsonl (resuming from `step`)."""
+    refuse_link_at(path, "metrics log")  # (its target's lines would be copied in)
     if not path.exists():
         return
     lines = path.read_text().splitlines(keepends=True)

@@ -36,10 +36,11 @@ class SampleWriter:
         """Complete the prompts with `model` (its mode is restored) and append the rows;
         returns the first completion."""
         from ..generate import generate
+        from ..utils.io import open_append
 
         done = generate(model, self.tokenizer, self.ids, max_new_tokens=self.max_new_tokens,
                         cuda_graphs=False)
-        with open(self.path, "a") as f:
+        with open_append(self.path) as f:  # (a link there is refused, never followed)
             for prompt, g in zip(self.prompts, done):
                 f.write(json.dumps({"step": step, "prompt": prompt, "completion": g.text}) + "\n")
         return done[0].text

@@ -30,6 +30,7 @@ from ..lora.params import count_parameters
 from ..utils.words import count
 from ..model.config import ModelConfig
 from ..model.loader import DTYPES, build_empty, default_dtype, load_model, resolve_checkpoint
+from ..utils.io import save_pretrained_safely
 from ..utils.paths import check_output_folder
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import FLAT_NAMES, TrainConfig
@@ -388,7 +389,7 @@ class Trainer(StepRunner):
                              write=write)
             if write and self.tokenizer is not None and hasattr(self.tokenizer,
                                                                 "save_pretrained"):
-                self.tokenizer.save_pretrained(str(self.output))
+                save_pretrained_safely(self.tokenizer, self.output)  # (renamed in: no link)
 
 
 def _quiet(*_args, **_kw) -> None:

@@ -49,6 +49,53 @@ def refuse_links(path: str | os.PathLike, root: str | os.PathLike | None = None)
                                 "output folder")
 
 
+def refuse_link_at(path: str | os.PathLike, what: str = "output") -> None:
+    """Raise LeantuneError if `path` itself is a symbolic link: a folder or file we would
+    replace or write into must be the real thing, not a link planted to send writes elsewhere
+    (name the link's target instead)."""
+    from ..errors import LeantuneError
+
+    path = Path(path)
+    if path.is_symlink():
+        raise LeantuneError(f"{path}: the {what} is a symbolic link (to {os.readlink(path)}); "
+                            "leantune never writes through links: remove it, or name its target "
+                            "instead")
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def check_copy_sources(src: str | os.PathLike, names) -> list[Path]:
+    """The files `names` that exist in the folder `src`, after checking them all (before anything
+    is copied): a file that is a symbolic link must stay inside `src`, or, for a Hugging Face hub
+    cache snapshot (`.../snapshots/<revision>/`, whose files are links into the repository's
+    `blobs/`), inside that repository's `blobs/`. Any other link (a `tokenizer.json` pointing at
+    a private file elsewhere) is refused in one line, so an export never carries it out."""
+    from ..errors import LeantuneError
+
+    src = Path(src)
+    real_src = src.resolve()
+    allowed = [real_src]
+    if real_src.parent.name == "snapshots":
+        allowed.append(real_src.parent.parent / "blobs")
+    found = []
+    for name in names:
+        f = src / name
+        if not (f.exists() or f.is_symlink()):
+            continue
+        if f.is_symlink():
+            target = f.resolve()
+            if not any(_inside(target, a) for a in allowed) or not target.is_file():
+                raise LeantuneError(f"{f} is a symbolic link to {os.readlink(f)}, outside the "
+                                    "model folder; leantune does not copy through such links: "
+                                    "replace it with the file itself")
+        elif not f.is_file():
+            raise LeantuneError(f"{f} is not a regular file; replace it with the file itself")
+        found.append(f)
+    return found
+
+
 def _create_tmp(path: Path) -> Path:
     """A new, empty, regular file beside `path` (never an existing file or link)."""
     while True:
@@ -178,10 +225,12 @@ def save_pretrained_safely(obj, out: str | os.PathLike, root=None) -> None:
 
 
 def check_output_dir(out: Path, overwrite: bool) -> None:
-    """Refuse an output path that is a file, or a non-empty folder unless `overwrite`."""
+    """Refuse an output path that is a link, a file, or a non-empty folder unless
+    `overwrite`."""
     from ..errors import LeantuneError
 
     out = Path(out)
+    refuse_link_at(out, "output folder")
     if out.exists() and not out.is_dir():
         raise LeantuneError(f"{out}: output exists and is a file; choose a folder")
     if out.is_dir() and any(out.iterdir()) and not overwrite:

@@ -97,12 +97,6 @@ def detect_format(rows: Sequence[dict], source: str | os.PathLike | None = None,
     first = _guess_format(rows[0])
     if first is None:
         keys = ", ".join(repr(k) for k in list(rows[0])[:8]) or "none"
-        row = rows[0] if isinstance(rows[0], dict) else {}
-        if {"chosen", "rejected"} <= set(row) or {"completion", "label"} <= set(row):
-            which = ("--objective kto" if "label" in row
-                     else "--objective dpo (or orpo, simpo)")
-            raise LeantuneError(f"{src}: the rows are preference data (keys: {keys}), which SFT "
-                                f"does not read; train on them with {which}")
         raise LeantuneError(
             f"{src}: cannot detect the data format from the first row (keys: {keys}); expected "
             f"alpaca ({FORMAT_NEEDS['alpaca']}), messages ({FORMAT_NEEDS['messages']}) or text "

@@ -337,31 +337,6 @@ class PreferenceDataset:
     def __getitem__(self, i: int):
         return self.items[i]
 
-    def split_eval(self, fraction: float, seed: int = 0
-                   ) -> tuple["PreferenceDataset", "PreferenceDataset"]:
-        """(train, eval): ``round(fraction * items)`` pairs (KTO rows) held out (at least 1, and
-        at least 1 left to train), chosen by `seed` alone; each part keeps the file's order.
-        The truncation counts stay with the training part (they describe the file)."""
-        import copy
-        import random
-
-        if not (0.0 < float(fraction) < 1.0):
-            raise LeantuneError(f"--eval-fraction must be between 0 and 1 (exclusive), got "
-                                f"{fraction!r}")
-        n = len(self.items)
-        if n < 2:
-            raise LeantuneError(f"{self.source}: cannot split {n} item into train and eval sets; "
-                                "add data or leave out --eval-fraction")
-        k = min(n - 1, max(1, round(float(fraction) * n)))
-        perm = list(range(n))
-        random.Random(seed).shuffle(perm)
-        held = set(perm[:k])
-        train, ev = copy.copy(self), copy.copy(self)
-        train.items = [x for i, x in enumerate(self.items) if i not in held]
-        ev.items = [x for i, x in enumerate(self.items) if i in held]
-        ev.num_prompt_truncated = ev.num_completion_truncated = ev.num_dropped = 0
-        return train, ev
-
     def summary(self) -> str:
         """One line for logs: counts, kind, form and truncation."""
         unit = "pairs" if self.kind == "pairs" else "KTO rows"

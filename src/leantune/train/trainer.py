@@ -271,8 +271,6 @@ class Trainer(StepRunner):
                     self.log(f"note: {what}: {data.dropped_summary()}")
         if eval_data is None and cfg.eval_fraction > 0:
             train_data, eval_data = train_data.split_eval(cfg.eval_fraction, cfg.seed)
-        if hasattr(train_data, "summary"):  # preference data: pairs, form, what was cut
-            self.log(f"data: {train_data.summary()}")
         if getattr(train_data, "num_truncated", 0):
             n = train_data.num_truncated
             self.log(f"note: {count(n, 'document')} longer than --max-seq-len "
@@ -289,10 +287,9 @@ class Trainer(StepRunner):
         self.total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * per_epoch))
         n_docs = getattr(train_data, "num_docs", None) or len(train_data)
         batches = count(len(self.loader), "packed batch", "packed batches")
-        unit = {"pairs": "pair", "rows": "KTO row"}.get(objective.unit, "document")
-        self.log(f"data: {count(n_docs, unit)} -> {batches} per epoch; "
+        self.log(f"data: {count(n_docs, 'document')} -> {batches} per epoch; "
                  f"{count(self.total_steps, 'optimizer step')}"
-                 + (f"; eval: {count(len(eval_data), unit)}" if eval_data is not None
+                 + (f"; eval: {count(len(eval_data), 'document')}" if eval_data is not None
                     else ""))
         if par.launched:
             self.log(par.describe_batch(cfg))

@@ -11,13 +11,7 @@ micro-batch as (loss sum, window normaliser, metrics), and what it evaluates and
 from .base import MicroLoss, Objective
 from .sft import SFTObjective
 
-def _objectives() -> dict[str, type[Objective]]:
-    from .preference import PREFERENCE_OBJECTIVES
-
-    return {"sft": SFTObjective, **PREFERENCE_OBJECTIVES}
-
-
-OBJECTIVES = _objectives()
+OBJECTIVES = {"sft": SFTObjective}
 
 
 def objective_class(name: str) -> type[Objective]:

@@ -44,11 +44,14 @@ class CausalLMOutput:
     loss: torch.Tensor | None = None      # mean next-token loss (with `labels`)
     loss_sum: torch.Tensor | None = None  # summed fp32 next-token loss over a PackedBatch
     aux_loss: torch.Tensor | None = None  # MoE load-balancing loss (with `router_aux_loss`)
+    token_logps: torch.Tensor | None = None  # [B*T] fp32 log p(label) per token (`token_logps`)
 
 
 class CausalLM(nn.Module):
     """The model. `model(input_ids)` -> `.logits` [B, T, V], as transformers' users expect;
-    `model(batch=packed, loss_only=True)` -> `.loss_sum`, the training loss."""
+    `model(batch=packed, loss_only=True)` -> `.loss_sum`, the training loss;
+    `model(batch=packed, token_logps=True)` -> `.token_logps` [B*T], per-token log-probs of the
+    labels (the preference objectives)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -150,13 +153,18 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, *, batch: PackedBatch | None = None,
-                labels: torch.Tensor | None = None, loss_only: bool = False) -> CausalLMOutput:
+                labels: torch.Tensor | None = None, loss_only: bool = False,
+                token_logps: bool = False) -> CausalLMOutput:
         """HF-style call: logits [B, T, V] (and the mean loss if unshifted `labels` are given).
 
         With a PackedBatch (`batch`) and `loss_only`: only `loss_sum`, the summed fp32
         next-token loss over batch.labels (pre-shifted per document), through the fused linear
         cross-entropy. Training calls the model this way, so DDP and FSDP2, which wrap
-        `forward`, see the whole step."""
+        `forward`, see the whole step.
+
+        With a PackedBatch and `token_logps`: only `token_logps` [B*T] fp32, log p(labels[b, t])
+        per token (0 where the label is IGNORE_INDEX), through `kernels.token_logprobs`: chunked
+        over rows on the Triton path (no [tokens, vocab] tensor), with a per-token backward."""
         if batch is not None:
             input_ids, position_ids = batch.input_ids, batch.position_ids
         h, aux = self._hidden_states_and_aux(input_ids, position_ids, batch)
@@ -164,6 +172,12 @@ class CausalLM(nn.Module):
             if batch is None:
                 raise ValueError("loss_only needs a PackedBatch (its labels are pre-shifted)")
             return CausalLMOutput(loss_sum=kernels.fused_linear_cross_entropy(
+                h.flatten(0, 1), self.output_weight(), batch.labels.flatten(),
+                chunk_bytes=self.loss_chunk_bytes), aux_loss=aux)
+        if token_logps:
+            if batch is None:
+                raise ValueError("token_logps needs a PackedBatch (its labels are pre-shifted)")
+            return CausalLMOutput(token_logps=kernels.token_logprobs(
                 h.flatten(0, 1), self.output_weight(), batch.labels.flatten(),
                 chunk_bytes=self.loss_chunk_bytes), aux_loss=aux)
         logits = F.linear(h, self.output_weight())

@@ -286,9 +286,10 @@ class Trainer(StepRunner):
         self.total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * per_epoch))
         n_docs = getattr(train_data, "num_docs", None) or len(train_data)
         batches = count(len(self.loader), "packed batch", "packed batches")
-        self.log(f"data: {count(n_docs, 'document')} -> {batches} per epoch; "
+        noun = "document" if objective.unit == "tokens" else objective.unit[:-1]  # pair, row
+        self.log(f"data: {count(n_docs, noun)} -> {batches} per epoch; "
                  f"{count(self.total_steps, 'optimizer step')}"
-                 + (f"; eval: {count(len(eval_data), 'document')}" if eval_data is not None
+                 + (f"; eval: {count(len(eval_data), noun)}" if eval_data is not None
                     else ""))
         if par.launched:
             self.log(par.describe_batch(cfg))

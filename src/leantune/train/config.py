@@ -77,6 +77,12 @@ class ObjectiveSettings:
     max_prompt_len: int | None = None  # prompt tokens kept (cut from the left); None: no cap
 
 
+# The objectives each preference setting applies to (beta and max_prompt_len: all of them); a
+# setting changed for another objective is refused, so a flag never goes silently unused.
+APPLIES_TO = {"loss_type": ("dpo",), "label_smoothing": ("dpo", "simpo"),
+              "simpo_gamma": ("simpo",), "desirable_weight": ("kto",),
+              "undesirable_weight": ("kto",), "precompute_reference": ("dpo",)}
+
 SECTIONS = {"lora": LoRASettings, "engine": EngineSettings, "objective": ObjectiveSettings}
 
 # flat name (flag / YAML key / keyword) -> (section, field)
@@ -265,6 +271,21 @@ class TrainConfig:
                                     f"--objective sft (the default) has none; drop "
                                     f"{_flag(changed[0])} or pick the objective it is for "
                                     "(--objective dpo, ...)")
+        for name in _changed("objective", o):
+            owners = APPLIES_TO.get(name)
+            if owners is not None and o.name not in owners:
+                raise LeantuneError(f"{_flag(name)} is a setting of --objective "
+                                    f"{' or '.join(owners)}, not of --objective {o.name}; drop "
+                                    f"{_flag(name)}")
+        if o.name != "sft":
+            for name in ("train_on_inputs", "format"):
+                if getattr(self, name) not in (None, False):
+                    raise LeantuneError(f"{_flag(name)} is an SFT setting; --objective {o.name} "
+                                        "trains on the completions of its preference rows "
+                                        f"(their fields say which is which): drop {_flag(name)}")
+        if o.loss_type != "sigmoid" and o.label_smoothing:
+            raise LeantuneError(f"--label-smoothing applies to --loss-type sigmoid, not "
+                                f"{o.loss_type}; drop one of them")
         if not o.beta > 0:
             raise LeantuneError(f"--beta must be positive, got {o.beta}")
         if o.loss_type not in LOSS_TYPES:

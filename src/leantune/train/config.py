@@ -116,6 +116,7 @@ class TrainConfig:
     epochs: float = 1.0
     max_steps: int | None = None  # overrides epochs
     full: bool = False
+    adapter: str | None = None  # continue from this (SFT) adapter: folded into the base (lora/fold.py)
     router_aux_loss_coef: float = 0.0  # MoE: weight of the router's load-balancing loss
     load_in_4bit: bool = False  # QLoRA: the decoder's linear weights quantised to NF4 on load
     merge_at_end: bool = False  # LoRA: write OUTPUT/merged (base + adapter) at the end
@@ -243,6 +244,10 @@ class TrainConfig:
         if self.full and self.load_in_4bit:
             raise LeantuneError("--load-in-4bit trains LoRA adapters on a frozen 4-bit base, and "
                                 "--full trains every weight; drop one of them")
+        if self.adapter and self.load_in_4bit:
+            raise LeantuneError(f"--adapter {self.adapter}: continuing from an adapter folds it "
+                                "into the base weights, which a 4-bit (NF4) base cannot take "
+                                "without changing; drop --load-in-4bit (train on the 16-bit base)")
         if self.resume and self.overwrite:
             raise LeantuneError("--resume continues the run in --output and --overwrite replaces "
                                 "it; give one of them")

@@ -213,6 +213,7 @@ class PreferenceObjective(Objective):
     Subclasses implement `preference_loss(policy [D], reference [D] or None, batch)`."""
 
     unit = "pairs"
+    sequences_per_unit = 2  # a pair's chosen and rejected; a KTO row and its KL sequence
     kind = "pairs"  # the rows it reads: "pairs" or "kto"
     metric_names = PAIR_METRICS
     needs_reference = True

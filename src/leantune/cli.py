@@ -417,13 +417,12 @@ def cmd_plot(args) -> int:
 
 
 def cmd_inspect_data(args) -> int:
-    from .data import SFTDataset
-    from .data.inspect import inspect_dataset, load_tokenizer_only, use_color
+    from .data.inspect import inspect_dataset, load_tokenizer_only, open_dataset, use_color
 
     tokenizer = load_tokenizer_only(args.model)
-    dataset = SFTDataset(args.data, tokenizer, args.max_seq_len, format=args.format,
-                         train_on_inputs=args.train_on_inputs, split=args.data_split or "train",
-                         subset=args.data_subset)
+    dataset = open_dataset(args.data, tokenizer, args.max_seq_len, format=args.format,
+                           train_on_inputs=args.train_on_inputs, split=args.data_split or "train",
+                           subset=args.data_subset)  # (SFT rows, or preference pairs / KTO rows)
     print(inspect_dataset(dataset, args.rows, color=use_color(sys.stdout), tokens=args.tokens))
     return 0
 

@@ -351,3 +351,58 @@ def test_plot_draws_the_reward_panel(tmp_path):
 
     # the reward panel makes the figure taller (7.5 in instead of 4.5)
     assert Image.open(with_rewards).size[1] > Image.open(without).size[1] * 1.5
+
+
+# ---- resume --------------------------------------------------------------------------------
+
+def test_resume_of_a_dpo_run_from_an_adapter_folds_it_again(capsys, sft_run, tmp_path):
+    """A resumed --adapter run continues exactly (the SFT adapter folded again, the new LoRA
+    from the checkpoint); another --adapter on resume is refused in one line."""
+    common = ["train", "--adapter", sft_run, "--data", PAIRS, "--objective", "dpo", "--lr",
+              "5e-3", "--schedule", "constant", "--lora-r", "8", *FAST]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert run_cli(capsys, *common, "--output", straight, "--max-steps", "3")[0] == 0
+    assert run_cli(capsys, *common, "--output", resumed, "--max-steps", "2")[0] == 0
+    rc, out, err = run_cli(capsys, *common, "--output", resumed, "--max-steps", "3", "--resume")
+    assert rc == 0, err
+    assert "folded into the base weights" in out and "resumed from" in out
+    a = [r["loss"] for r in read_metrics(straight) if "loss" in r]
+    b = [r["loss"] for r in read_metrics(resumed) if "loss" in r]
+    assert b == pytest.approx(a, abs=1e-6)
+    from safetensors.torch import load_file
+
+    sa, sb = (load_file(str(p / "adapter_model.safetensors")) for p in (straight, resumed))
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        torch.testing.assert_close(sb[k], sa[k], rtol=1e-5, atol=1e-6)
+    other = tmp_path / "other-sft"
+    import shutil
+
+    shutil.copytree(sft_run, other)
+    msg = cli_error(capsys, *[other if a == sft_run else a for a in common], "--output",
+                    resumed, "--max-steps", "4", "--resume")
+    assert "the run was started with --adapter" in msg
+
+
+def test_full_fine_tuning_with_precompute_reference_evaluates_and_resumes(capsys, tmp_path):
+    """--full --precompute-reference: no copy; the eval pairs' reference log-probs are in the
+    file too (the trained weights are no reference), and a resume reads them."""
+    out = tmp_path / "full"
+    common = ["train", "--model", TINY, "--data", PAIRS, "--objective", "dpo", "--full",
+              "--precompute-reference", "--eval-fraction", "0.2", "--lr", "1e-4",
+              "--output", out, *FAST]
+    rc, stdout, err = run_cli(capsys, *common, "--max-steps", "2")
+    assert rc == 0, err
+    from leantune.train.objectives.preference import load_reference
+
+    tables, _ = load_reference(out / "reference_logps.safetensors")
+    assert tables["train"].shape == (32, 2) and tables["eval"].shape == (8, 2)
+    rc, stdout, err = run_cli(capsys, *common, "--max-steps", "3", "--resume")
+    assert rc == 0, err
+    assert "reference log-probs: read 32" in stdout
+    evals = [r for r in read_metrics(out) if "eval_reward_margin" in r]
+    assert evals[0]["eval_reward_margin"] == pytest.approx(0, abs=1e-6)
+    assert evals[-1]["eval_reward_margin"] != 0
+    (out / "reference_logps.safetensors").unlink()
+    msg = cli_error(capsys, *common, "--max-steps", "4", "--resume")
+    assert "a resumed --full run cannot compute its reference log-probs again" in msg

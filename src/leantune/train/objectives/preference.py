@@ -252,6 +252,10 @@ class PreferenceObjective(Objective):
             return 0
         import copy
 
+        if any(p.device.type == "meta" for p in model.parameters()):  # FSDP2 loads shards later
+            raise LeantuneError(f"--full --objective {self.name} under FSDP2: the frozen "
+                                "reference copy is not sharded yet; train a LoRA adapter, add "
+                                "--precompute-reference, or use --parallel ddp")
         ref = copy.deepcopy(model)
         for p in ref.parameters():
             p.requires_grad_(False)

@@ -192,8 +192,9 @@ def inspect_preference(dataset, rows: int = 3, *, color: bool = False,
                       "  completion:", shown([], item.completion)]
     seqs = ([len(i.prompt) + len(c) for i in dataset.items for c in (i.chosen, i.rejected)]
             if pairs else [len(i.prompt) + len(i.completion) for i in dataset.items])
-    lines += ["", f"sequences: {count(len(seqs), 'sequence')} ({'2 per pair' if pairs else '1 per row'}"
-                  f", each packed as its own document), {min(seqs)} to {max(seqs)} tokens, median "
+    per = "2 per pair" if pairs else "1 per row"
+    lines += ["", f"sequences: {count(len(seqs), 'sequence')} ({per}, each packed as its own "
+                  f"document), {min(seqs)} to {max(seqs)} tokens, median "
                   f"{statistics.median(seqs):g}",
               f"truncated: {dataset.num_prompt_truncated} prompts cut from the left, "
               f"{dataset.num_completion_truncated} {unit}s with completions cut to --max-seq-len "

@@ -9,7 +9,8 @@ The run's final adapter is written for the original base, so that export, genera
 it as they take any run: the SFT factors and the new ones side by side, one adapter of rank
 r_sft + r_new whose scaling is 1 (lora_alpha = r, no rsLoRA):
 
-    A = [A_sft ; A_new]  [r_sft + r_new, in]      B = [s_sft B_sft, s_new B_new]  [out, r_sft + r_new]
+    A = [A_sft ; A_new]  [r_sft + r_new, in]
+    B = [s_sft B_sft, s_new B_new]  [out, r_sft + r_new]
     B @ A = s_sft B_sft A_sft + s_new B_new A_new   (exactly the sum of the two deltas)
 
 A projection one of the two adapters leaves out gets zero rows / columns there. Checkpoints keep
@@ -68,9 +69,10 @@ def fold_adapter(model, adapter: str | os.PathLike, log=print) -> Folded:
             raise LeantuneError(f"--adapter {adapter}: the base is 4-bit (NF4); an adapter folds "
                                 "into 16-bit weights only")
         w = layer.weight
-        if tuple(b.shape[:1]) + tuple(a.shape[1:]) != tuple(w.shape):
-            raise LeantuneError(f"--adapter {adapter}: {base} is {tuple(b.shape[:1]) + tuple(a.shape[1:])}"
-                                f" but the model's is {tuple(w.shape)}; is it the adapter of "
+        shape = (b.shape[0], a.shape[1])
+        if shape != tuple(w.shape):
+            raise LeantuneError(f"--adapter {adapter}: {base} is {shape} but the model's is "
+                                f"{tuple(w.shape)}; is it the adapter of "
                                 "another base model?")
         a32, b32 = a.float(), b.float() * scaling
         w.copy_((w.float() + (b32.to(w.device) @ a32.to(w.device))).to(w.dtype))
@@ -89,7 +91,8 @@ def save_stacked_adapter(model, folded: Folded, out_dir: str | os.PathLike,
     from ..dist.tensors import full_tensor
     from ..utils.io import atomic_path, atomic_write_json
     from .base_check import BASE_NAME_KEY, FINGERPRINT_KEY, model_fingerprint
-    from .peft_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS, _sorted_metadata, peft_config_dict, peft_name
+    from .peft_io import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, _sorted_metadata, peft_config_dict,
+                          peft_name)
 
     cfg = model.lora_config
     new = {}

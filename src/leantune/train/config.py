@@ -116,7 +116,7 @@ class TrainConfig:
     epochs: float = 1.0
     max_steps: int | None = None  # overrides epochs
     full: bool = False
-    adapter: str | None = None  # continue from this (SFT) adapter: folded into the base (lora/fold.py)
+    adapter: str | None = None  # continue from this (SFT) adapter, folded in (lora/fold.py)
     router_aux_loss_coef: float = 0.0  # MoE: weight of the router's load-balancing loss
     load_in_4bit: bool = False  # QLoRA: the decoder's linear weights quantised to NF4 on load
     merge_at_end: bool = False  # LoRA: write OUTPUT/merged (base + adapter) at the end

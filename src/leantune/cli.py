@@ -66,11 +66,14 @@ def _train_parser(sub) -> None:
                              "(MoE models: the expert weights)")
     a("--use-rslora", action="store_true", default=None, help="scale by alpha/sqrt(r)")
     a("--full", action="store_true", default=None, help="full fine-tuning instead of LoRA")
+    a("--adapter", help="continue from this adapter (e.g. an SFT run's folder): folded into the "
+                        "16-bit base weights, so base + adapter is the starting point and a "
+                        "preference objective's reference; --model defaults to its base")
     a("--router-aux-loss-coef", type=float,
       help="MoE models: add this times the router's load-balancing loss (default 0 = off)")
     o = p.add_argument_group("objective", "what the run optimises (default sft: next-token "
                                           "cross-entropy); the rest are preference settings")
-    o.add_argument("--objective", help="sft (default)")
+    o.add_argument("--objective", help="sft (default), dpo, orpo, simpo or kto")
     o.add_argument("--beta", type=float, help="preference: the KL / odds-ratio weight (0.1)")
     o.add_argument("--loss-type", help="DPO family: sigmoid (default), ipo or hinge")
     o.add_argument("--label-smoothing", type=float, help="DPO sigmoid: label smoothing (0)")
@@ -153,6 +156,11 @@ def _config_from_args(args):
         v = getattr(args, k, None)
         if v is not None:
             values[k] = v
+    if values.get("adapter") and not values.get("model") and values.get("data"):
+        from .generate.load import adapter_base, check_adapter_path
+
+        values["model"] = adapter_base(check_adapter_path(values["adapter"]))
+        print(f"model: {values['model']} (the base named by --adapter)")
     demo = not values.get("model") and not values.get("data")
     if demo:
         from . import assets
@@ -198,7 +206,12 @@ def cmd_train(args) -> int:
     if not cfg.full:
         from .export.serving import vllm_lora_lines
 
-        for line in vllm_lora_lines(cfg.model, out, cfg.lora.r):
+        rank = cfg.lora.r  # (--adapter: the written adapter stacks both ranks)
+        if cfg.adapter:
+            import json
+
+            rank = json.loads((out / "adapter_config.json").read_text())["r"]
+        for line in vllm_lora_lines(cfg.model, out, rank):
             print(line)
     if demo:
         print(answer)
@@ -404,13 +417,12 @@ def cmd_plot(args) -> int:
 
 
 def cmd_inspect_data(args) -> int:
-    from .data import SFTDataset
-    from .data.inspect import inspect_dataset, load_tokenizer_only, use_color
+    from .data.inspect import inspect_dataset, load_tokenizer_only, open_dataset, use_color
 
     tokenizer = load_tokenizer_only(args.model)
-    dataset = SFTDataset(args.data, tokenizer, args.max_seq_len, format=args.format,
-                         train_on_inputs=args.train_on_inputs, split=args.data_split or "train",
-                         subset=args.data_subset)
+    dataset = open_dataset(args.data, tokenizer, args.max_seq_len, format=args.format,
+                           train_on_inputs=args.train_on_inputs, split=args.data_split or "train",
+                           subset=args.data_subset)  # (SFT rows, or preference pairs / KTO rows)
     print(inspect_dataset(dataset, args.rows, color=use_color(sys.stdout), tokens=args.tokens))
     return 0
 

@@ -112,28 +112,42 @@ def one_line(capsys, *args) -> str:
     return err[0]
 
 
-def test_objective_flags(capsys, monkeypatch):
-    assert one_line(capsys, "--objective", "dpo").endswith(
-        "--objective dpo: no such objective; the objectives are sft")
+def test_objective_flags(capsys):
+    assert one_line(capsys, "--objective", "rlhf").endswith(
+        "--objective rlhf: no such objective; the objectives are sft, dpo, orpo, simpo, kto")
     assert "--beta is a preference-objective setting, and --objective sft (the default) has " \
            "none" in one_line(capsys, "--beta", "0.2")
     assert "--precompute-reference is a preference-objective setting" in one_line(
         capsys, "--objective", "sft", "--precompute-reference")
-    # with a preference objective registered, its settings are checked as flags
-    monkeypatch.setitem(objectives.OBJECTIVES, "pref", SFTObjective)
-    for args, expect in ((["--beta", "0"], "--beta must be positive, got 0.0"),
-                         (["--beta", "nan"], "--beta must be a finite number"),
-                         (["--loss-type", "kl"], "--loss-type must be one of sigmoid, ipo, hinge"),
-                         (["--label-smoothing", "0.7"], "--label-smoothing must be in [0, 0.5]"),
-                         (["--undesirable-weight", "-1"], "--undesirable-weight must be positive"),
-                         (["--max-prompt-len", "64", "--max-seq-len", "64"],
-                          "--max-prompt-len must be a positive number of tokens under "
-                          "--max-seq-len 64, got 64")):
-        assert expect in one_line(capsys, "--objective", "pref", *args), args
-    cfg = TrainConfig(objective="pref", beta=0.3, loss_type="ipo", label_smoothing=0.1,
-                      simpo_gamma=1.0, desirable_weight=2.0, undesirable_weight=0.5,
-                      precompute_reference=True, max_prompt_len=16).validate()
-    assert cfg.objective == ObjectiveSettings("pref", 0.3, "ipo", 0.1, 1.0, 2.0, 0.5, True, 16)
+    # the preference objectives' settings are checked as flags
+    for objective, args, expect in (
+            ("dpo", ["--beta", "0"], "--beta must be positive, got 0.0"),
+            ("orpo", ["--beta", "nan"], "--beta must be a finite number"),
+            ("dpo", ["--loss-type", "kl"], "--loss-type must be one of sigmoid, ipo, hinge"),
+            ("dpo", ["--label-smoothing", "0.7"], "--label-smoothing must be in [0, 0.5]"),
+            ("kto", ["--undesirable-weight", "-1"], "--undesirable-weight must be positive"),
+            ("simpo", ["--max-prompt-len", "64", "--max-seq-len", "64"],
+             "--max-prompt-len must be a positive number of tokens under --max-seq-len 64, got 64"),
+            # a setting of another objective: refused, never silently unused
+            ("orpo", ["--loss-type", "ipo"],
+             "--loss-type is a setting of --objective dpo, not of --objective orpo"),
+            ("dpo", ["--simpo-gamma", "1"], "--simpo-gamma is a setting of --objective simpo"),
+            ("dpo", ["--desirable-weight", "2"], "--desirable-weight is a setting of --objective kto"),
+            ("simpo", ["--precompute-reference"], "--precompute-reference is a setting of "
+                                                  "--objective dpo"),
+            ("dpo", ["--loss-type", "ipo", "--label-smoothing", "0.1"],
+             "--label-smoothing applies to --loss-type sigmoid, not ipo"),
+            ("dpo", ["--train-on-inputs"], "--train-on-inputs is an SFT setting"),
+            ("kto", ["--format", "alpaca"], "--format is an SFT setting")):
+        assert expect in one_line(capsys, "--objective", objective, *args), (objective, args)
+    cfg = TrainConfig(objective="dpo", beta=0.3, loss_type="hinge", precompute_reference=True,
+                      max_prompt_len=16).validate()
+    assert cfg.objective == ObjectiveSettings("dpo", 0.3, "hinge", 0.0, 0.5, 1.0, 1.0, True, 16)
+    cfg = TrainConfig(objective="kto", desirable_weight=2.0, undesirable_weight=0.5).validate()
+    assert (cfg.objective.desirable_weight, cfg.objective.undesirable_weight) == (2.0, 0.5)
+    # TRL's defaults
+    assert ObjectiveSettings() == ObjectiveSettings("sft", 0.1, "sigmoid", 0.0, 0.5, 1.0, 1.0,
+                                                    False, None)
 
 
 def test_train_help_lists_the_objective_flags(capsys):

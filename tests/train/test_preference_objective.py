@@ -339,9 +339,9 @@ def test_bad_settings_and_mismatched_data_are_one_line(models, tmp_path):
         ORPOObjective(_cfg(tmp_path, "orpo", precompute_reference=True))
     with pytest.raises(LeantuneError, match="does not apply to --objective kto"):
         KTOObjective(_cfg(tmp_path, "kto", precompute_reference=True))
-    with pytest.raises(LeantuneError, match="holds kto rows; use --objective kto"):
+    with pytest.raises(LeantuneError, match="holds KTO rows; use --objective kto"):
         DPOObjective(_cfg(tmp_path, "dpo")).check_kind(_Items([], "kto"))
-    with pytest.raises(LeantuneError, match="holds pairs rows"):
+    with pytest.raises(LeantuneError, match="holds preference pairs"):
         KTOObjective(_cfg(tmp_path, "kto")).check_kind(_Items([], "pairs"))
     with pytest.raises(LeantuneError, match="outside the model's vocabulary"):
         DPOObjective(_cfg(tmp_path, "dpo")).check_token_ids(

@@ -5,6 +5,11 @@ targets of the loss) marked, green in a terminal and ``[[...]]`` otherwise, and 
 trained-token counts. Then the totals: document lengths, how many packed rows of --max-seq-len
 they fill, documents per row, the share of row tokens that are real, and the truncated and
 dropped rows. Only the tokenizer is loaded, never the model's weights.
+
+Preference data (pairs for DPO / ORPO / SimPO, KTO rows; data/preference.py) is detected the
+same way and shown as pairs: the prompt, then the chosen and the rejected completion, each as
+the model sees it after the prompt, its trained tokens (the completion's: the log-probs the
+objective sums) marked; and the totals: sequence lengths, truncated prompts and completions.
 """
 
 from __future__ import annotations
@@ -104,6 +109,8 @@ def packing_summary(dataset: SFTDataset) -> str:
 def inspect_dataset(dataset: SFTDataset, rows: int = 3, *, color: bool = False,
                     tokens: bool = False) -> str:
     """The report `leantune inspect-data` prints (see the module docstring)."""
+    if not isinstance(dataset, SFTDataset):  # preference pairs or KTO rows
+        return inspect_preference(dataset, rows, color=color, tokens=tokens)
     if rows < 0:
         raise LeantuneError(f"--rows must be 0 or more, got {rows}")
     tok = dataset.tokenizer
@@ -124,6 +131,75 @@ def inspect_dataset(dataset: SFTDataset, rows: int = 3, *, color: bool = False,
               f"truncated: {dataset.num_truncated} of {dataset.num_rows} rows cut to "
               f"--max-seq-len {dataset.max_seq_len}; dropped: {dataset.num_dropped} rows with no "
               "trained token left"]
+    return "\n".join(lines)
+
+
+def open_dataset(data, tokenizer, max_seq_len: int, *, format=None, train_on_inputs=False,
+                 split="train", subset=None, max_prompt_len=None):
+    """The SFT dataset of `data`, or its PreferenceDataset when its rows are preference pairs
+    or KTO rows (detected from the first row, as for training)."""
+    try:
+        return SFTDataset(data, tokenizer, max_seq_len, format=format,
+                          train_on_inputs=train_on_inputs, split=split, subset=subset)
+    except LeantuneError as e:
+        msg = str(e)
+        if format is not None or "cannot detect the data format" not in msg or not (
+                ("'chosen'" in msg or "'rejected'" in msg)
+                or ("'completion'" in msg and "'label'" in msg)):
+            raise
+    from leantune.data.preference import PreferenceDataset
+
+    ds = PreferenceDataset(data, tokenizer, max_seq_len, max_prompt_len=max_prompt_len,
+                           split=split, subset=subset)
+    ds.tokenizer = tokenizer  # (the report decodes with it)
+    return ds
+
+
+def inspect_preference(dataset, rows: int = 3, *, color: bool = False,
+                       tokens: bool = False) -> str:
+    """The report for preference data (module docstring): `dataset` a PreferenceDataset."""
+    from ..utils.words import count
+
+    if rows < 0:
+        raise LeantuneError(f"--rows must be 0 or more, got {rows}")
+    tok = dataset.tokenizer
+    pairs = dataset.kind == "pairs"
+    unit = "pair" if pairs else "row"
+    lines = [dataset.summary(),
+             f"trained tokens are shown {'in green' if color else 'inside ' + OPEN + ' ' + CLOSE}"
+             " (each completion's, after the prompt)"]
+
+    def shown(prompt, completion):
+        ids = prompt + completion
+        mask = [False] * len(prompt) + [True] * len(completion)
+        return _indent(render_document(ids, mask, tok, color=color, tokens=tokens))
+
+    for k in range(min(rows, len(dataset))):
+        item = dataset.items[k]
+        where = format_location(dataset.source, item.location)
+        if pairs:
+            lines += ["", f"pair {k + 1} ({where}): prompt {len(item.prompt)} tokens; chosen "
+                          f"{len(item.chosen)} trained, rejected {len(item.rejected)} trained",
+                      "  prompt:", _indent(render_document(item.prompt, [False] * len(item.prompt),
+                                                          tok, color=color, tokens=tokens)),
+                      "  chosen:", shown([], item.chosen), "  rejected:", shown([], item.rejected)]
+        else:
+            label = "desirable" if item.label else "undesirable"
+            lines += ["", f"row {k + 1} ({where}, {label}): prompt {len(item.prompt)} tokens; "
+                          f"completion {len(item.completion)} trained",
+                      "  prompt:", _indent(render_document(item.prompt, [False] * len(item.prompt),
+                                                          tok, color=color, tokens=tokens)),
+                      "  completion:", shown([], item.completion)]
+    seqs = ([len(i.prompt) + len(c) for i in dataset.items for c in (i.chosen, i.rejected)]
+            if pairs else [len(i.prompt) + len(i.completion) for i in dataset.items])
+    per = "2 per pair" if pairs else "1 per row"
+    lines += ["", f"sequences: {count(len(seqs), 'sequence')} ({per}, each packed as its own "
+                  f"document), {min(seqs)} to {max(seqs)} tokens, median "
+                  f"{statistics.median(seqs):g}",
+              f"truncated: {dataset.num_prompt_truncated} prompts cut from the left, "
+              f"{dataset.num_completion_truncated} {unit}s with completions cut to --max-seq-len "
+              f"{dataset.max_seq_len}" + (f"; dropped: {dataset.num_dropped} pairs left identical"
+                                          if pairs else "")]
     return "\n".join(lines)
 
 

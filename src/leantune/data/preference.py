@@ -337,6 +337,36 @@ class PreferenceDataset:
     def __getitem__(self, i: int):
         return self.items[i]
 
+    @property
+    def format(self) -> str:
+        """The SFT format name of the prompts' layout ("messages": the chat template; "text":
+        raw strings), recorded in run_config.json so generate and chat prompt as trained."""
+        return "messages" if self.form == "conversational" else "text"
+
+    def dropped_summary(self) -> str:
+        return (f"{self.num_dropped} {'pair was' if self.num_dropped == 1 else 'pairs were'} "
+                "dropped: truncation to --max-seq-len left their completions identical")
+
+    def split_eval(self, fraction: float, seed: int = 0):
+        """(train, eval): ``round(fraction * items)`` random items (at least 1, leaving at
+        least 1) held out, each part in the original order; the choice depends only on `seed`."""
+        import copy
+        import random
+
+        n = len(self.items)
+        if n < 2:
+            raise LeantuneError(f"{self.source}: cannot split {n} item into train and eval sets; "
+                                "add rows or drop --eval-fraction")
+        k = min(n - 1, max(1, round(float(fraction) * n)))
+        perm = list(range(n))
+        random.Random(seed).shuffle(perm)
+        parts = []
+        for idx in (sorted(perm[k:]), sorted(perm[:k])):
+            part = copy.copy(self)
+            part.items = [self.items[i] for i in idx]
+            parts.append(part)
+        return parts[0], parts[1]
+
     def summary(self) -> str:
         """One line for logs: counts, kind, form and truncation."""
         unit = "pairs" if self.kind == "pairs" else "KTO rows"

@@ -74,7 +74,14 @@ MIN_LOSS_CHUNK_BYTES = 32 << 20
 class Workload:
     """What a step runs: the model's config, tokens per micro-batch, bytes per activation value,
     the LoRA columns a layer carries (engine/executor.lora_ranks), the path (fused or autograd),
-    the engine options, and whether a MoE model's experts carry LoRA."""
+    the engine options, and whether a MoE model's experts carry LoRA.
+
+    Preference objectives (train/objectives/preference.py): `tokens` counts both sequences of
+    a pair (the trainer passes 2 x batch_size x max_seq_len); `reference_pass`: each step (or
+    --precompute-reference's pass before training) also runs a no-grad forward for the
+    reference log-probs (reference_pass_bytes); `reference_bytes`: full fine-tuning's frozen
+    reference copy, already allocated (so inside the trainer's measured fixed bytes), named
+    here so a budget it breaks can say so (BudgetTooSmall.reference_bytes)."""
 
     cfg: object
     tokens: int
@@ -83,14 +90,17 @@ class Workload:
     autograd: bool = False
     options: EngineOptions = field(default_factory=EngineOptions)
     expert_lora: bool = False  # MoE: LoRA on the experts (a larger working set)
+    reference_pass: bool = False  # a no-grad reference forward each step (DPO, KTO)
+    reference_bytes: int = 0  # full fine-tuning: the frozen reference copy (in the fixed bytes)
 
 
 class BudgetTooSmall(Exception):
     """No plan fits the budget; `least_bytes`: the least budget one would fit."""
 
-    def __init__(self, least_bytes: float, fixed_bytes: float):
+    def __init__(self, least_bytes: float, fixed_bytes: float, reference_bytes: int = 0):
         super().__init__(f"the least budget a plan fits is {least_bytes / 2**30:.2f} GiB")
         self.least_bytes, self.fixed_bytes = least_bytes, fixed_bytes
+        self.reference_bytes = reference_bytes  # of fixed_bytes: a frozen reference copy
 
 
 @dataclass
@@ -151,6 +161,16 @@ def loss_working_bytes(w: Workload, chunk_bytes: int | None = None) -> float:
             + chunk)
 
 
+def reference_pass_bytes(w: Workload, chunk_bytes: int | None = None) -> float:
+    """GPU bytes beside weights and optimizer state of the no-grad reference forward: nothing
+    is kept, so one layer's plain forward (its MLP whole: gate/up [tokens, 2 I] and the product
+    [tokens, I]; a few [tokens, hidden] buffers) and the log-prob head's logits chunk. It runs
+    before the policy's forward, so it adds to no other phase: the step's peak is the larger."""
+    one = w.tokens * w.cfg.intermediate_size * w.itemsize
+    layer = HEADROOM_HIDDEN * w.itemsize * w.cfg.hidden_size * w.tokens + 3 * one
+    return layer + loss_working_bytes(w, chunk_bytes)
+
+
 def host_memory_bytes(meminfo: str = "/proc/meminfo") -> int:
     """Host memory available to this run now (Linux MemAvailable: free plus reclaimable cache),
     else the machine's physical memory, else 0. Other processes' use (e.g. one per GPU on a
@@ -176,8 +196,9 @@ def plan_peak_bytes(w: Workload, plans: list[LayerPlan],
     kept = [kept_bytes(w, p.keep) for p in plans]
     gpu = [0 if p.offload else k for p, k in zip(plans, kept)]
     ws = working_set_bytes(w)
+    ref = reference_pass_bytes(w, loss_chunk_bytes) if w.reference_pass else 0.0
     if w.autograd:
-        return sum(gpu) + ws
+        return max(sum(gpu) + ws, ref)
     k1 = kept_bytes(w, Keep.ATTENTION)
     # the MLP's part of the working set: row chunks, except in a layer kept whole, which runs it
     # in one piece (its gate/up [tokens, 2 I] and one [tokens, I] tensor; in backward the kept
@@ -204,7 +225,7 @@ def plan_peak_bytes(w: Workload, plans: list[LayerPlan],
         peak = max(peak, forward, backward)
         below += gpu[i]
     loss = below + in_flight(len(plans)) + loss_working_bytes(w, loss_chunk_bytes)
-    return max(peak, loss)
+    return max(peak, loss, ref)
 
 
 def recompute_flops(w: Workload, plans: list[LayerPlan]) -> float:
@@ -310,7 +331,8 @@ def plan_memory(w: Workload, budget_bytes: float, fixed_bytes: float,
         if best is None or key < best[0]:
             best = (key, MemoryPlan(plans, chunk))
     if best is None:
-        raise BudgetTooSmall(fixed_bytes + least_plan_bytes(w, host_bytes), fixed_bytes)
+        raise BudgetTooSmall(fixed_bytes + least_plan_bytes(w, host_bytes), fixed_bytes,
+                             w.reference_bytes)
     return best[1]
 
 

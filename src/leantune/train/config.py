@@ -77,6 +77,12 @@ class ObjectiveSettings:
     max_prompt_len: int | None = None  # prompt tokens kept (cut from the left); None: no cap
 
 
+# The objectives each preference setting applies to (beta and max_prompt_len: all of them); a
+# setting changed for another objective is refused, so a flag never goes silently unused.
+APPLIES_TO = {"loss_type": ("dpo",), "label_smoothing": ("dpo", "simpo"),
+              "simpo_gamma": ("simpo",), "desirable_weight": ("kto",),
+              "undesirable_weight": ("kto",), "precompute_reference": ("dpo",)}
+
 SECTIONS = {"lora": LoRASettings, "engine": EngineSettings, "objective": ObjectiveSettings}
 
 # flat name (flag / YAML key / keyword) -> (section, field)
@@ -110,6 +116,7 @@ class TrainConfig:
     epochs: float = 1.0
     max_steps: int | None = None  # overrides epochs
     full: bool = False
+    adapter: str | None = None  # continue from this (SFT) adapter, folded in (lora/fold.py)
     router_aux_loss_coef: float = 0.0  # MoE: weight of the router's load-balancing loss
     load_in_4bit: bool = False  # QLoRA: the decoder's linear weights quantised to NF4 on load
     merge_at_end: bool = False  # LoRA: write OUTPUT/merged (base + adapter) at the end
@@ -237,6 +244,10 @@ class TrainConfig:
         if self.full and self.load_in_4bit:
             raise LeantuneError("--load-in-4bit trains LoRA adapters on a frozen 4-bit base, and "
                                 "--full trains every weight; drop one of them")
+        if self.adapter and self.load_in_4bit:
+            raise LeantuneError(f"--adapter {self.adapter}: continuing from an adapter folds it "
+                                "into the base weights, which a 4-bit (NF4) base cannot take "
+                                "without changing; drop --load-in-4bit (train on the 16-bit base)")
         if self.resume and self.overwrite:
             raise LeantuneError("--resume continues the run in --output and --overwrite replaces "
                                 "it; give one of them")
@@ -265,6 +276,21 @@ class TrainConfig:
                                     f"--objective sft (the default) has none; drop "
                                     f"{_flag(changed[0])} or pick the objective it is for "
                                     "(--objective dpo, ...)")
+        for name in _changed("objective", o):
+            owners = APPLIES_TO.get(name)
+            if owners is not None and o.name not in owners:
+                raise LeantuneError(f"{_flag(name)} is a setting of --objective "
+                                    f"{' or '.join(owners)}, not of --objective {o.name}; drop "
+                                    f"{_flag(name)}")
+        if o.name != "sft":
+            for name in ("train_on_inputs", "format"):
+                if getattr(self, name) not in (None, False):
+                    raise LeantuneError(f"{_flag(name)} is an SFT setting; --objective {o.name} "
+                                        "trains on the completions of its preference rows "
+                                        f"(their fields say which is which): drop {_flag(name)}")
+        if o.loss_type != "sigmoid" and o.label_smoothing:
+            raise LeantuneError(f"--label-smoothing applies to --loss-type sigmoid, not "
+                                f"{o.loss_type}; drop one of them")
         if not o.beta > 0:
             raise LeantuneError(f"--beta must be positive, got {o.beta}")
         if o.loss_type not in LOSS_TYPES:

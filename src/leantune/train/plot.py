@@ -1,4 +1,6 @@
 """The loss plot of a run: train loss, eval loss and the learning rate, from metrics.jsonl.
+A preference run (DPO, ORPO, SimPO) gets a second panel below: the reward margin and the reward
+accuracy (train, and eval where there is one).
 
 `leantune plot RUN` writes RUN/loss.png; the end of `Trainer.train` writes it too when matplotlib
 is installed (an optional dependency: ``pip install 'leantune[plot]'``). Drawn on a bare
@@ -79,8 +81,11 @@ def plot_metrics(run: str | os.PathLike, output: str | os.PathLike | None = None
     except ImportError:
         raise LeantuneError(f"plotting needs matplotlib; run `{INSTALL}`") from None
 
-    fig = Figure(figsize=(8, 4.5), layout="constrained")
-    ax = fig.add_subplot()
+    prefs = {k: _series(records, k) for k in ("reward_margin", "eval_reward_margin",
+                                               "reward_accuracy", "eval_reward_accuracy")}
+    rewards = any(v[0] for v in prefs.values())
+    fig = Figure(figsize=(8, 7.5 if rewards else 4.5), layout="constrained")
+    ax = fig.add_subplot(2, 1, 1) if rewards else fig.add_subplot()
     lines = []
     if train[0]:
         lines += ax.plot(*train, color="C0", linewidth=1.2, label="train loss")
@@ -99,9 +104,34 @@ def plot_metrics(run: str | os.PathLike, output: str | os.PathLike | None = None
         ax.patch.set_visible(False)
     ax.legend(handles=lines, loc="best")
     ax.set_title(metrics.parent.resolve().name)
+    if rewards:
+        _reward_panel(fig.add_subplot(2, 1, 2, sharex=ax), prefs)
     with atomic_path(out) as tmp:
         fig.savefig(tmp, format="png", dpi=120)
     return out
+
+
+def _reward_panel(ax, prefs: dict) -> None:
+    """The preference metrics: reward margin (left axis) and reward accuracy (right, 0..1)."""
+    lines = []
+    styles = {"reward_margin": ("-", "C3", "reward margin"),
+              "eval_reward_margin": ("o-", "C5", "eval reward margin"),
+              "reward_accuracy": ("-", "C4", "reward accuracy"),
+              "eval_reward_accuracy": ("o-", "C6", "eval reward accuracy")}
+    acc_ax = ax.twinx()
+    for key, (style, color, label) in styles.items():
+        steps, values = prefs[key]
+        if steps:
+            target = acc_ax if "accuracy" in key else ax
+            lines += target.plot(steps, values, style, color=color, linewidth=1.2,
+                                 markersize=4, label=label)
+    ax.axhline(0, color="grey", linewidth=0.6, alpha=0.6)
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward margin")
+    ax.grid(alpha=0.3)
+    acc_ax.set_ylabel("reward accuracy")
+    acc_ax.set_ylim(-0.02, 1.02)
+    ax.legend(handles=lines, loc="best")
 
 
 def plot_after_training(output: Path, log) -> Path | None:

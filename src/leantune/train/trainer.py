@@ -85,6 +85,14 @@ class Trainer(StepRunner):
         torch.manual_seed(cfg.seed)
         self.model = model
         self._setup_router_aux_loss()
+        self.folded = None  # --adapter: the SFT adapter folded into the base (lora/fold.py)
+        if cfg.adapter:
+            from ..lora.fold import fold_adapter
+
+            self.folded = fold_adapter(model, cfg.adapter, self.log)
+        # full fine-tuning with a reference: its frozen copy, before any weight trains
+        self.reference_bytes = getattr(self.objective, "attach_reference", lambda *_: 0)(
+            model, cfg.full)
         self._setup_trainable()
         self.forward_model = self.parallel.wrap(model, weights, seed=cfg.seed)
         self.params = [p for p in model.parameters() if p.requires_grad]  # (FSDP2: its shards)
@@ -147,6 +155,16 @@ class Trainer(StepRunner):
             if self.prequantized and cfg.full:
                 raise LeantuneError(f"{weights}: a 4-bit (bnb-4bit) checkpoint is a frozen base "
                                     "for LoRA; --full needs its 16-bit weights")
+        if cfg.adapter:  # lora/fold.py: checked (and its base) before the weights load
+            from ..lora.base_check import check_base
+            from ..lora.fold import check_foldable
+
+            if self.parallel.sharded:
+                raise LeantuneError("--adapter with FSDP2 is not supported yet; use --parallel "
+                                    "ddp")
+            _, adapter_weights = check_foldable(cfg.adapter, cfg.load_in_4bit or self.prequantized)
+            if weights is not None:
+                check_base(adapter_weights, cfg.model, weights, log=self.log)
         return model_dir, weights
 
     # --- setup ---------------------------------------------------------------------------------
@@ -194,9 +212,12 @@ class Trainer(StepRunner):
             # memory is measured
         L = m.config.num_hidden_layers
         itemsize = torch.finfo(self.dtype).bits // 8
-        work = Workload(m.config, cfg.batch_size * cfg.max_seq_len, itemsize,
+        seqs = getattr(self.objective, "sequences_per_unit", 1)  # a pair: 2 sequences
+        work = Workload(m.config, seqs * cfg.batch_size * cfg.max_seq_len, itemsize,
                         lora_ranks=lora_ranks(m.layers[0]), autograd=autograd_why is not None,
-                        options=options, expert_lora=has_expert_lora(m))
+                        options=options, expert_lora=has_expert_lora(m),
+                        reference_pass=getattr(self.objective, "needs_reference", False),
+                        reference_bytes=self.reference_bytes)
         policy = cfg.activations
         if policy == "auto" and cuda:
             fixed = self._fixed_bytes()
@@ -287,9 +308,10 @@ class Trainer(StepRunner):
         self.total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * per_epoch))
         n_docs = getattr(train_data, "num_docs", None) or len(train_data)
         batches = count(len(self.loader), "packed batch", "packed batches")
-        self.log(f"data: {count(n_docs, 'document')} -> {batches} per epoch; "
+        noun = "document" if objective.unit == "tokens" else objective.unit[:-1]  # pair, row
+        self.log(f"data: {count(n_docs, noun)} -> {batches} per epoch; "
                  f"{count(self.total_steps, 'optimizer step')}"
-                 + (f"; eval: {count(len(eval_data), 'document')}" if eval_data is not None
+                 + (f"; eval: {count(len(eval_data), noun)}" if eval_data is not None
                     else ""))
         if par.launched:
             self.log(par.describe_batch(cfg))
@@ -332,7 +354,7 @@ class Trainer(StepRunner):
     # may change: that extends or shortens the run.)
     RESUME_MUST_MATCH = ("grad_accum", "lr", "weight_decay", "warmup_steps", "schedule",
                          "max_grad_norm", "dtype", "train_on_inputs", "router_aux_loss_coef",
-                         "load_in_4bit")
+                         "load_in_4bit", "adapter")
 
     def _check_resumed_config(self, ckpt: Path, saved: dict) -> None:
         """`saved`: the checkpoint's config (nested, or flat as runs before the sections wrote
@@ -384,6 +406,11 @@ class Trainer(StepRunner):
 
                 save_full_model(self.model, self.output,
                                 source=getattr(self.model, "source_path", None), write=write)
+            elif self.folded is not None:  # --adapter: the SFT adapter and the new one, stacked
+                from ..lora.fold import save_stacked_adapter
+
+                save_stacked_adapter(self.model, self.folded, self.output,
+                                     base_model_name=self.cfg.model, write=write)
             else:
                 save_adapter(self.model, self.output, base_model_name=self.cfg.model,
                              write=write)
@@ -400,6 +427,14 @@ def budget_message(cfg: TrainConfig, budget: float, e) -> str:
     """One line for a memory budget no plan fits (planner.BudgetTooSmall `e`)."""
     what = (f"--max-memory-gib {cfg.max_memory_gib:g}" if cfg.max_memory_gib
             else f"this GPU's {budget / 2**30:.1f} GiB")
+    ref = getattr(e, "reference_bytes", 0)
+    if ref:  # full fine-tuning's frozen reference copy
+        return (f"{what} is too little for this run: it needs at least "
+                f"{e.least_bytes / 2**30:.2f} GiB (weights and optimizer state "
+                f"{e.fixed_bytes / 2**30:.2f} GiB, of which the frozen reference copy --objective "
+                f"{cfg.objective.name} needs with --full {ref / 2**30:.2f} GiB); train a LoRA "
+                "adapter instead of --full (its reference is the base, no copy), or add "
+                "--precompute-reference (the reference log-probs computed once, no copy)")
     return (f"{what} is too little for this run: it needs at least {e.least_bytes / 2**30:.2f} "
             f"GiB (weights and optimizer state {e.fixed_bytes / 2**30:.2f} GiB, "
             f"{cfg.batch_size} x {cfg.max_seq_len} tokens a micro-batch); raise "

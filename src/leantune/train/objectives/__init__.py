@@ -9,9 +9,10 @@ micro-batch as (loss sum, window normaliser, metrics), and what it evaluates and
 """
 
 from .base import MicroLoss, Objective
+from .preference import PREFERENCE_OBJECTIVES
 from .sft import SFTObjective
 
-OBJECTIVES = {"sft": SFTObjective}
+OBJECTIVES = {"sft": SFTObjective, **PREFERENCE_OBJECTIVES}
 
 
 def objective_class(name: str) -> type[Objective]:

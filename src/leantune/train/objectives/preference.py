@@ -41,6 +41,7 @@ import torch
 from ...errors import LeantuneError
 from ...kernels import segment_sum
 from ..losses import preference as L
+from ...data.files import format_location
 from .base import MicroLoss, Objective
 
 REFERENCE_FILE = "reference_logps.safetensors"
@@ -212,6 +213,7 @@ class PreferenceObjective(Objective):
     Subclasses implement `preference_loss(policy [D], reference [D] or None, batch)`."""
 
     unit = "pairs"
+    sequences_per_unit = 2  # a pair's chosen and rejected; a KTO row and its KL sequence
     kind = "pairs"  # the rows it reads: "pairs" or "kto"
     metric_names = PAIR_METRICS
     needs_reference = True
@@ -229,17 +231,55 @@ class PreferenceObjective(Objective):
             raise LeantuneError(f"--precompute-reference: --objective {self.name} uses no "
                                 "reference model; leave the flag out")
         self.reference_table: torch.Tensor | None = None  # [items, 2] fp32 (precompute)
+        self.eval_reference_table: torch.Tensor | None = None  # the same for the eval items
+        self.eval_loader = None  # make_loader(shuffle=False) sets it
+        self.reference_model = None  # full fine-tuning: the frozen copy (attach_reference)
         self._checked_reference = False
+
+    # --- the reference model ---------------------------------------------------------------
+    def wants_frozen_copy(self, full: bool) -> bool:
+        """Whether this run needs a frozen copy of the model as its reference: full
+        fine-tuning (no adapter to switch off) of an objective with a reference, unless the
+        reference log-probs are precomputed."""
+        return full and self.needs_reference and not self.precompute
+
+    def attach_reference(self, model, full: bool) -> int:
+        """Full fine-tuning (wants_frozen_copy): keep a frozen copy of `model` as it is now
+        (its loaded weights; with --adapter, base + SFT) as the reference: no gradients, eval
+        mode, run under no_grad. Call before the trainer attaches its executors and before a
+        resume loads trained weights. Returns the copy's bytes (0: no copy)."""
+        if not self.wants_frozen_copy(full):
+            return 0
+        import copy
+
+        if any(p.device.type == "meta" for p in model.parameters()):  # FSDP2 loads shards later
+            raise LeantuneError(f"--full --objective {self.name} under FSDP2: the frozen "
+                                "reference copy is not sharded yet; train a LoRA adapter, add "
+                                "--precompute-reference, or use --parallel ddp")
+        ref = copy.deepcopy(model)
+        for p in ref.parameters():
+            p.requires_grad_(False)
+        self.reference_model = ref.eval()
+        return sum(t.numel() * t.element_size()
+                   for t in [*ref.parameters(), *ref.buffers()])
 
     # --- data ------------------------------------------------------------------------------
     def _dataset(self, tokenizer, data, split, flag):
         from ...data.preference import PreferenceDataset
 
         cfg = self.cfg
-        ds = PreferenceDataset(data, tokenizer, cfg.max_seq_len, max_prompt_len=self.max_prompt_len,
-                               split=split, subset=getattr(cfg, "data_subset", None),
-                               split_flag=flag)
+        try:
+            ds = PreferenceDataset(data, tokenizer, cfg.max_seq_len,
+                                   max_prompt_len=self.max_prompt_len, split=split,
+                                   subset=getattr(cfg, "data_subset", None), split_flag=flag)
+        except LeantuneError as e:
+            if "not a preference row" in str(e):  # SFT rows, most likely: say which objective
+                raise LeantuneError(f"{e}; --objective {self.name} reads preference rows: for "
+                                    "SFT rows use --objective sft (the default)") from None
+            raise
         self.check_kind(ds)
+        if ds.num_prompt_truncated or ds.num_completion_truncated:
+            self.log(f"note: {ds.summary()}")  # both counts
         return ds
 
     def check_kind(self, ds) -> None:
@@ -249,8 +289,9 @@ class PreferenceObjective(Objective):
             want = ("pairs ('prompt', 'chosen', 'rejected')" if self.kind == "pairs"
                     else "KTO rows ('prompt', 'completion', 'label')")
             fix = "--objective kto" if kind == "kto" else "--objective dpo, orpo or simpo"
+            have = "preference pairs" if kind == "pairs" else "KTO rows"
             raise LeantuneError(f"{getattr(ds, 'source', 'the data')}: --objective {self.name} "
-                                f"reads {want}, but the file holds {kind} rows; use {fix}")
+                                f"reads {want}, but the file holds {have}; use {fix}")
 
     def build_data(self, tokenizer, train_data, eval_data):
         cfg = self.cfg
@@ -270,9 +311,12 @@ class PreferenceObjective(Objective):
         """A `PreferenceLoader` (`loader_cls`, the SFT row loader, does not apply: batches hold
         pairs, not rows). shuffle=False is the eval loader."""
         cfg = self.cfg
-        return PreferenceLoader(data, cfg.batch_size, cfg.max_seq_len, seed=cfg.seed,
-                                shuffle=shuffle, pad_id=getattr(data, "pad_id", 0),
-                                split="train" if shuffle else "eval")
+        loader = PreferenceLoader(data, cfg.batch_size, cfg.max_seq_len, seed=cfg.seed,
+                                  shuffle=shuffle, pad_id=getattr(data, "pad_id", 0),
+                                  split="train" if shuffle else "eval")
+        if not shuffle:
+            self.eval_loader = loader  # (prepare: its reference log-probs too)
+        return loader
 
     def check_token_ids(self, data, vocab: int, what: str) -> None:
         for i, item in enumerate(data.items):
@@ -281,7 +325,9 @@ class PreferenceObjective(Objective):
             for ids in seqs:
                 bad = [t for t in ids if not 0 <= t < vocab]
                 if bad:
-                    where = getattr(item, "location", None) or f"item {i}"
+                    loc = getattr(item, "location", None)
+                    where = (format_location(getattr(data, "source", "data"), loc)
+                             if loc is not None else f"item {i}")
                     raise LeantuneError(
                         f"{what}: {where} holds token id {bad[0]}, outside the model's vocabulary "
                         f"(0..{vocab - 1}); the tokenizer does not match the model (check "
@@ -299,9 +345,13 @@ class PreferenceObjective(Objective):
         training batches, else a no-grad pass with the adapters off."""
         if not self.needs_reference:
             return None
-        if self.reference_table is not None and getattr(batch, "split", "train") == "train":
-            table = self.reference_table.to(batch.doc_unit.device)
+        table = (self.eval_reference_table if getattr(batch, "split", "train") == "eval"
+                 else self.reference_table)
+        if table is not None and getattr(batch, "items", None) is not None:
+            table = table.to(batch.doc_unit.device)
             return table[batch.items].reshape(-1)  # [U, 2] -> documents 2i, 2i + 1
+        if self.reference_model is not None:
+            return reference_logps(self.reference_model, batch)
         if not self._checked_reference:
             if not _has_lora(model):
                 raise LeantuneError(
@@ -332,29 +382,42 @@ class PreferenceObjective(Objective):
 
     # --- precomputed reference -------------------------------------------------------------
     def prepare(self, model, train_loader, parallel) -> None:
-        """With precompute_reference: the reference log-probs of every training item, read
-        from the run folder's reference_logps.safetensors when its fingerprint matches this
-        data and model, else computed now (no grad, adapters off) and saved there (rank 0,
-        atomically). A file with another fingerprint is refused in one line."""
+        """With precompute_reference: the reference log-probs of every training (and eval)
+        item, read from the run folder's reference_logps.safetensors when its fingerprint
+        matches this data and model, else computed now (no grad, adapters off) and saved there
+        (rank 0, atomically). A file with another fingerprint is refused in one line. (A resume
+        reads the file: the adapter-off model is the same, but with --full the weights have
+        trained, so the file is what keeps the reference fixed.)"""
         if not (self.precompute and self.needs_reference):
             return
         device = getattr(parallel, "device", None) or next(model.parameters()).device
         path = Path(self.cfg.output) / REFERENCE_FILE
-        fp = self.fingerprint(model, train_loader.dataset)
+        loaders = {"train": train_loader, "eval": self.eval_loader}
+        loaders = {k: v for k, v in loaders.items() if v is not None}
+        fp = self.fingerprint(model, train_loader.dataset,
+                              getattr(self.eval_loader, "dataset", None))
         if path.exists():
-            table, saved = load_reference(path)
-            if saved != fp or table.shape[0] != len(train_loader.dataset):
+            tables, saved = load_reference(path)
+            if saved != fp or set(tables) != set(loaders) or any(
+                    tables[k].shape[0] != len(v.dataset) for k, v in loaders.items()):
                 raise LeantuneError(
                     f"{path}: these reference log-probs were computed for other data or another "
-                    "model than this run's; resume with the same --data, --model and "
-                    "--max-seq-len, or delete the file to compute them again")
-            self.log(f"reference log-probs: read {table.shape[0]} from {path}")
+                    "model than this run's; resume with the same --data, --eval-data, --model, "
+                    "--adapter and --max-seq-len, or delete the file to compute them again")
+            self.log(f"reference log-probs: read {tables['train'].shape[0]} from {path}")
         else:
-            table = self.compute_reference_table(model, train_loader, device)
+            if getattr(self.cfg, "full", False) and getattr(self.cfg, "resume", False):
+                raise LeantuneError(f"{path}: missing; a resumed --full run cannot compute its "
+                                    "reference log-probs again (its weights have trained); "
+                                    "start the run again with --overwrite")
+            tables = {k: self.compute_reference_table(model, v, device)
+                      for k, v in loaders.items()}
             if getattr(parallel, "writer", True):
-                save_reference(path, table, fp, root=self.cfg.output)
-            self.log(f"reference log-probs: computed {table.shape[0]} into {path}")
-        self.reference_table = table.to(device)
+                save_reference(path, tables, fp, root=self.cfg.output)
+            self.log(f"reference log-probs: computed {tables['train'].shape[0]} into {path}")
+        self.reference_table = tables["train"].to(device)
+        if "eval" in tables:
+            self.eval_reference_table = tables["eval"].to(device)
 
     def compute_reference_table(self, model, loader, device) -> torch.Tensor:
         """[items, 2] fp32: per item, the reference log-probs of its two documents."""
@@ -366,43 +429,70 @@ class PreferenceObjective(Objective):
             table[start:start + batch.num_units] = reference_logps(model, batch).view(-1, 2).cpu()
         return table
 
-    def fingerprint(self, model, dataset) -> str:
-        """sha256 over what the reference log-probs depend on: the tokenised items, the model's
-        name, config and a probe of its weights, and the objective's kind."""
+    def fingerprint(self, model, dataset, eval_dataset=None) -> str:
+        """sha256 over what the reference log-probs depend on: the tokenised items (training,
+        then eval), the model's name, config and weights (its checkpoint's fingerprint, or a
+        probe of a model built in memory), --adapter, and the objective's kind."""
         h = hashlib.sha256()
-        for item in dataset.items:
+        items = list(dataset.items) + ([None] + list(eval_dataset.items)
+                                       if eval_dataset is not None else [])
+        for item in items:
+            if item is None:
+                h.update(b"|eval|")
+                continue
             seqs = ([item.prompt, item.chosen, item.rejected] if self.kind == "pairs"
                     else [item.prompt, item.completion])
             h.update(json.dumps(seqs).encode())
         inner = getattr(model, "module", model)
         h.update(repr(getattr(inner, "config", "")).encode())
         h.update(str(getattr(self.cfg, "model", "")).encode())
-        h.update(str(getattr(self.cfg, "adapter", "")).encode())
-        with torch.no_grad():
-            probe = [p.detach().reshape(-1)[:: max(1, p.numel() // 997)][:1000].double().sum()
-                     for n_, p in inner.named_parameters() if "lora_" not in n_]
+        adapter = getattr(self.cfg, "adapter", None)
+        if adapter:  # --adapter: the SFT adapter folded into the base (its weights file's stamp)
+            from ...export.merge import adapter_source
+
+            weights = adapter_source(Path(adapter), log=lambda _: None)[1]
+            st = weights.stat()
+            h.update(f"{Path(adapter).resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
+        from ...lora.base_check import model_fingerprint
+
+        base = model_fingerprint(inner)  # the checkpoint's files: the same on resume (--full too)
+        if base is not None:
+            h.update(base.encode())
+        else:  # a model built in memory: a probe of its (non-adapter) weights
+            with torch.no_grad():
+                probe = [p.detach().reshape(-1)[:: max(1, p.numel() // 997)][:1000].double().sum()
+                         for n_, p in inner.named_parameters() if "lora_" not in n_]
             h.update(repr([round(float(x), 6) for x in probe]).encode())
         h.update(self.kind.encode())
         return h.hexdigest()
 
 
-def save_reference(path: Path, table: torch.Tensor, fingerprint: str, root=None) -> None:
+TABLE_NAMES = {"train": "reference_logps", "eval": "eval_reference_logps"}
+
+
+def save_reference(path: Path, tables, fingerprint: str, root=None) -> None:
+    """Write {"train": [items, 2], "eval": [eval items, 2]} (or one tensor: the training
+    table) as safetensors, atomically, with the fingerprint in its metadata."""
     from safetensors.torch import save
 
     from ...utils.io import atomic_write_bytes
 
+    if isinstance(tables, torch.Tensor):
+        tables = {"train": tables}
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(path, save({"reference_logps": table.contiguous().cpu()},
+    atomic_write_bytes(path, save({TABLE_NAMES[k]: t.contiguous().cpu() for k, t in tables.items()},
                                   metadata={"fingerprint": fingerprint}), root=root)
 
 
-def load_reference(path: Path) -> tuple[torch.Tensor, str]:
+def load_reference(path: Path) -> tuple[dict[str, torch.Tensor], str]:
+    """({"train": ..., maybe "eval": ...}, fingerprint) of a file save_reference wrote."""
     from safetensors import safe_open
 
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
-            return f.get_tensor("reference_logps"), meta.get("fingerprint", "")
+            return ({k: f.get_tensor(n) for k, n in TABLE_NAMES.items() if n in f.keys()},
+                    meta.get("fingerprint", ""))
     except Exception as e:  # a cut or foreign file
         raise LeantuneError(f"{path}: unreadable reference log-probs ({e}); delete it to "
                             "compute them again") from None

@@ -3,7 +3,23 @@ rows, divided by the target tokens of the whole accumulation window (exact accum
 
 from __future__ import annotations
 
+from ...errors import LeantuneError
 from .base import MicroLoss, Objective
+
+
+def _preference_hint(e: LeantuneError) -> LeantuneError:
+    """An undetectable format whose first row is a preference pair or KTO row: `e` plus which
+    objective reads it (sft reads instruction / chat / text rows)."""
+    msg = str(e)
+    if "cannot detect the data format" not in msg:
+        return e
+    if "'chosen'" in msg or "'rejected'" in msg:
+        return LeantuneError(f"{msg.split('; expected')[0]}: these are preference pairs, which "
+                             "--objective sft does not read; use --objective dpo, orpo or simpo")
+    if "'completion'" in msg and "'label'" in msg:
+        return LeantuneError(f"{msg.split('; expected')[0]}: these are KTO rows, which "
+                             "--objective sft does not read; use --objective kto")
+    return e
 
 
 class SFTObjective(Objective):
@@ -13,15 +29,18 @@ class SFTObjective(Objective):
         from ...data import SFTDataset
 
         cfg = self.cfg
-        if train_data is None:
-            train_data = SFTDataset(cfg.data, tokenizer, cfg.max_seq_len, format=cfg.format,
-                                    train_on_inputs=cfg.train_on_inputs, split=cfg.data_split,
-                                    subset=cfg.data_subset)
-        if eval_data is None and cfg.eval_data:
-            eval_data = SFTDataset(cfg.eval_data, tokenizer, cfg.max_seq_len,
-                                   format=cfg.format, train_on_inputs=cfg.train_on_inputs,
-                                   split=cfg.eval_split, subset=cfg.data_subset,
-                                   split_flag="--eval-split")
+        try:
+            if train_data is None:
+                train_data = SFTDataset(cfg.data, tokenizer, cfg.max_seq_len, format=cfg.format,
+                                        train_on_inputs=cfg.train_on_inputs, split=cfg.data_split,
+                                        subset=cfg.data_subset)
+            if eval_data is None and cfg.eval_data:
+                eval_data = SFTDataset(cfg.eval_data, tokenizer, cfg.max_seq_len,
+                                       format=cfg.format, train_on_inputs=cfg.train_on_inputs,
+                                       split=cfg.eval_split, subset=cfg.data_subset,
+                                       split_flag="--eval-split")
+        except LeantuneError as e:
+            raise _preference_hint(e) from None
         return train_data, eval_data
 
     def make_loader(self, data, loader_cls, shuffle: bool):

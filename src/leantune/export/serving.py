@@ -25,13 +25,16 @@ def load_tokenizer(folder: str | os.PathLike):
     """The tokenizer saved in `folder` (transformers), or None when it has none.
 
     A tokenizer.json is read as it is (PreTrainedTokenizerFast): AutoTokenizer would rebuild
-    some families' pipelines from their model type instead of the file."""
+    some families' pipelines from their model type instead of the file. No Python code of the
+    checkpoint's runs (trust_remote_code=False)."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     cls = PreTrainedTokenizerFast if (Path(folder) / "tokenizer.json").exists() else AutoTokenizer
     try:
-        return cls.from_pretrained(str(folder))
-    except Exception:  # no tokenizer files, or ones transformers cannot read
+        # never the checkpoint's own code (an auto_map in tokenizer_config.json): without
+        # trust_remote_code=False AutoTokenizer would even ask whether to run it
+        return cls.from_pretrained(str(folder), trust_remote_code=False)
+    except Exception:  # no tokenizer files, ones transformers cannot read, or needing code
         return None
 
 

@@ -8,8 +8,8 @@ Llama 3 (`<|start_header_id|>`) and Mistral (`[INST]`). Another template gets no
 warning.
 
 Quoting. Every value is written so that Ollama's Modelfile parser reads back exactly that
-string and nothing more: the parser has no escapes; a value opened by three double quotes (or one) ends at the
-first line break where the text so far, stripped, ends with the same quote. A checkpoint's
+string and nothing more: the parser has no escapes; a value opened by three double quotes (or
+one) ends at the first line break where the text so far, stripped, ends with the same quote. A checkpoint's
 string (the system prompt its template writes, a stop token, the EOS token inside the Mistral
 TEMPLATE) holding such a closing quote before a line break would end the value early and let the
 rest of the line be read as new directives (`ADAPTER`, `FROM`, `LICENSE`, ...). `modelfile_value`

@@ -56,6 +56,7 @@ def save_full_model(model, out: Path, source: Path | None = None,
     write_sharded(entries, out, max_shard_bytes)
     config = dict(model.config.raw)
     config.pop("quantization_config", None)  # the weights are written dense (MXFP4 dequantised)
+    config.pop("auto_map", None)  # (no code of the base's comes along)
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     set_config_dtype(config, dtype)
     atomic_write_json(out / "config.json", config)

@@ -218,17 +218,12 @@ class MergedWeights:
         return files, headers
 
     def hf_config(self) -> dict:
-        """The merged model's config.json: --merge-onto's, or the base's (a 4-bit base's without
-        its quantization_config: the export is 16-bit)."""
-        config = json.loads(((self.onto or self.src) / "config.json").read_text())
-        config.pop("quantization_config", None)
-        return config
-
-    def hf_config(self) -> dict:
         """The merged model's config.json: --merge-onto's, or the base's (without its
         quantization_config where the export is 16-bit: a 4-bit base, or MXFP4 experts
-        dequantised)."""
+        dequantised), and without an auto_map: the export is leantune's own weights of an
+        architecture transformers knows, and carries no code of the base's)."""
         config = json.loads(((self.onto or self.src) / "config.json").read_text())
+        config.pop("auto_map", None)
         if self.quant_states or self.dequantised:
             config.pop("quantization_config", None)
         return config

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 from pathlib import Path
 
 from ..utils.io import atomic_write_json
@@ -25,13 +27,16 @@ def load_tokenizer(folder: str | os.PathLike):
     """The tokenizer saved in `folder` (transformers), or None when it has none.
 
     A tokenizer.json is read as it is (PreTrainedTokenizerFast): AutoTokenizer would rebuild
-    some families' pipelines from their model type instead of the file."""
+    some families' pipelines from their model type instead of the file. No Python code of the
+    checkpoint's runs (trust_remote_code=False)."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     cls = PreTrainedTokenizerFast if (Path(folder) / "tokenizer.json").exists() else AutoTokenizer
     try:
-        return cls.from_pretrained(str(folder))
-    except Exception:  # no tokenizer files, or ones transformers cannot read
+        # never the checkpoint's own code (an auto_map in tokenizer_config.json): without
+        # trust_remote_code=False AutoTokenizer would even ask whether to run it
+        return cls.from_pretrained(str(folder), trust_remote_code=False)
+    except Exception:  # no tokenizer files, ones transformers cannot read, or needing code
         return None
 
 
@@ -92,13 +97,15 @@ def vllm_lora_lines(base: str, adapter: str | os.PathLike, r: int) -> list[str]:
     fit = next((m for m in VLLM_MAX_LORA_RANKS if m >= r), None)
     if fit is None:
         return [f"warning: LoRA rank {r} is above the largest rank vLLM serves (512); merge it "
-                f"with `leantune export --model {base} --adapter {adapter} --output DIR` "
+                f"with `leantune export --model {shlex.quote(str(base))} --adapter "
+                f"{shlex.quote(str(adapter))} --output DIR` "
                 "and serve DIR"]
     lines = []
     if fit != r:
         lines.append(f"warning: vLLM accepts LoRA ranks {', '.join(map(str, VLLM_MAX_LORA_RANKS))}"
                      f"; this adapter (rank {r}) loads with --max-lora-rank {fit}")
-    name = Path(adapter).resolve().name or "adapter"
-    lines.append(f"serve it with vLLM: vllm serve {base} --enable-lora "
-                 f"--lora-modules {name}={adapter} --max-lora-rank {fit}")
+    # (quoted for the shell: a folder name is the user's, or a shared checkpoint's, text)
+    name = re.sub(r"[^\w.-]+", "-", Path(adapter).resolve().name).strip("-") or "adapter"
+    lines.append(f"serve it with vLLM: vllm serve {shlex.quote(str(base))} --enable-lora "
+                 f"--lora-modules {shlex.quote(f'{name}={adapter}')} --max-lora-rank {fit}")
     return lines

@@ -52,6 +52,41 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+# The files of a checkpoint that can name Python code of its own ("auto_map": class -> module.Name
+# in a .py file beside them), which transformers runs only with trust_remote_code=True.
+CODE_NAMING_FILES = ("tokenizer_config.json", "config.json")  # (the tokenizer's first)
+
+
+def custom_code(folder: str | os.PathLike) -> str | None:
+    """Where the checkpoint `folder` names code of its own, e.g. "tokenizer_config.json
+    auto_map AutoTokenizer -> tokenization_x.XTokenizer", or None. leantune never runs such code:
+    it builds models from config.json's fields (model_type) and loads tokenizers with
+    trust_remote_code=False; this names the reason when a tokenizer cannot load without it."""
+    for name in CODE_NAMING_FILES:
+        try:
+            d = json.loads((Path(folder) / name).read_text())
+        except (OSError, ValueError):
+            continue
+        auto_map = d.get("auto_map") if isinstance(d, dict) else None
+        if isinstance(auto_map, dict) and auto_map:
+            key, value = next(iter(auto_map.items()))
+            if isinstance(value, (list, tuple)):
+                value = next((v for v in value if v), value)
+            return f"{name} auto_map {key} -> {' '.join(str(value).split())[:80]}"
+    return None
+
+
+def custom_code_error(folder: str | os.PathLike, what: str = "tokenizer") -> LeantuneError | None:
+    """The one-line refusal of a checkpoint whose `what` needs its own Python code, or None when
+    the folder names no code (the failure has another cause)."""
+    where = custom_code(folder)
+    if where is None:
+        return None
+    return LeantuneError(f"{folder}: the {what} needs the checkpoint's own Python code ({where}), "
+                         "which leantune never runs; use a checkpoint whose tokenizer "
+                         "transformers reads from its files (tokenizer.json), or convert it")
+
+
 def resolve_checkpoint(name_or_path: str | os.PathLike) -> Path:
     """A local folder, or a hub id downloaded through huggingface_hub (safetensors only)."""
     p = Path(name_or_path).expanduser()

@@ -469,8 +469,12 @@ def load_tokenizer(model: str | None):
         # never the checkpoint's own Python code (auto_map): a downloaded folder runs nothing
         tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
     except Exception as e:
-        raise LeantuneError(f"{folder}: cannot load the tokenizer ({type(e).__name__}); the "
-                            "checkpoint folder needs tokenizer.json / tokenizer_config.json") from None
+        from ..model.loader import custom_code_error
+
+        code = custom_code_error(folder) if "trust_remote_code" in str(e) else None
+        raise code or LeantuneError(f"{folder}: cannot load the tokenizer ({type(e).__name__}); "
+                                    "the checkpoint folder needs tokenizer.json / "
+                                    "tokenizer_config.json") from None
     if tok.eos_token_id is None:
         raise LeantuneError(f"{folder}: the tokenizer defines no eos_token; set eos_token in "
                             "tokenizer_config.json")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -203,19 +204,21 @@ def export_gguf(model: str | os.PathLike, adapter_dir: str | os.PathLike | None,
     model_name = Path(os.fspath(model)).name or weights.src.resolve().name  # hub id: its name
     file_name = f"model-{quant}.gguf"
     name = ollama_name(out.resolve().name)
+    # the Modelfile first: a checkpoint string it cannot quote is refused before the GGUF
+    text, more = modelfile_text(
+        file_name, vocab.chat_template, vocab.stop_strings,
+        eos=vocab.tokens[vocab.eos_id] if vocab.eos_id is not None else None,
+        system=default_system_prompt(load_tokenizer(weights.src),
+                                     template_style(vocab.chat_template)))
+    warnings += more
     with staged_dir(out, overwrite) as tmp:
         _write(tmp / file_name, arch,
                lambda w: _model_metadata(w, cfg, arch, quant, model_name, vocab),
                planned, progress)
-        text, more = modelfile_text(
-            file_name, vocab.chat_template, vocab.stop_strings,
-            eos=vocab.tokens[vocab.eos_id] if vocab.eos_id is not None else None,
-            system=default_system_prompt(load_tokenizer(weights.src),
-                                         template_style(vocab.chat_template)))
-        warnings += more
         atomic_write_text(tmp / "Modelfile", text)
     return GGUFExport(gguf=out / file_name, modelfile=out / "Modelfile",
-                      ollama_command=f"ollama create {name} -f {out / 'Modelfile'}",
+                      ollama_command=f"ollama create {name} -f "
+                                     f"{shlex.quote(str(out / 'Modelfile'))}",
                       types={p.name: p.qtype.name for p in planned}, warnings=warnings)
 
 

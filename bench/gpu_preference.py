@@ -232,7 +232,7 @@ def bench_trl(args, items, device) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="llama-3.1-8b")
     ap.add_argument("--pairs", type=int, default=4)
     ap.add_argument("--prompt", type=int, default=512)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import sys
 import tempfile
 import time
@@ -41,41 +40,13 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from harness import hf_peft_model, leantune_model, median, record, trainable  # noqa: E402
+from harness import (hf_peft_model, leantune_model, median, peak_gib, record,  # noqa: E402
+                     reset_peak, step_times, sync, trainable)
 from speed import make_trainer, random_batch  # noqa: E402
 
 from leantune.data.preference import PreferencePair  # noqa: E402
 from leantune.lora import LoRAConfig, apply_lora  # noqa: E402
 from leantune.train.objectives.preference import DPOObjective  # noqa: E402
-
-
-def sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def reset_peak(device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def peak_gib(device) -> float | None:
-    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-
-
-def step_times(fn, warmup: int, steps: int, device) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return times
 
 
 def random_pairs(vocab: int, pairs: int, prompt: int, completion: int, seed: int = 0):

@@ -4,6 +4,7 @@ initialisation, the baseline's training step, timing and FLOP counting."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import time
@@ -176,3 +177,33 @@ def median(xs):
     s = sorted(xs)
     n = len(s)
     return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+# --- timing a step on any device (host clock after a device sync) -------------------------
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_peak(device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_gib(device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def step_times(fn, warmup: int, steps: int, device) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return times

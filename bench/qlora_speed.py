@@ -28,7 +28,6 @@ bitsandbytes.
 from __future__ import annotations
 
 import argparse
-import gc
 import math
 import os
 import shutil
@@ -40,7 +39,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from harness import H200_BF16_FLOPS, flops_per_token, hf_config, median, record  # noqa: E402
+from harness import (H200_BF16_FLOPS, flops_per_token, hf_config, median,  # noqa: E402
+                     peak_gib, record, reset_peak, step_times, sync)
 from shapes import LLAMA3_ROPE, SHAPES  # noqa: E402
 from speed import random_batch  # noqa: E402
 
@@ -59,35 +59,6 @@ DEFAULTS = {"llama-3.1-8b": (["auto@7.5"], ["auto@17"]),
             "llama-3.2-1b": (["auto@2.5"], ["auto@4"]),
             "llama-3.1-70b": (["auto"], [])}
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def reset_peak(device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def peak_gib(device) -> float | None:
-    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-
-
-def step_times(fn, warmup: int, steps: int, device) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return times
 
 
 # --- the weights -----------------------------------------------------------------------------

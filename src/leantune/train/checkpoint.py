@@ -237,7 +237,7 @@ def read_state(path: Path, required: tuple = ("step",)) -> dict:
 # max_seq_len and seed are checked by the data loader.)
 RESUME_MUST_MATCH = ("grad_accum", "lr", "weight_decay", "warmup_steps", "schedule",
                      "max_grad_norm", "dtype", "train_on_inputs", "router_aux_loss_coef",
-                     "load_in_4bit", "full", "lora_alpha", "use_rslora")
+                     "load_in_4bit", "full", "lora_alpha", "use_rslora", "adapter")
 # (--lora-r and --lora-targets change the shapes: the checkpoint loader names the parameter)
 
 
@@ -249,16 +249,23 @@ def check_resume_settings(ckpt: Path, cfg) -> dict:
     """Refuse a --resume whose settings differ from those checkpoint `ckpt` was written with
     (its state.json, checked: `read_state`); reads no tensor, so it runs before the weights
     load. Returns the state."""
-    from dataclasses import fields
-
-    from .config import FLAT_KEYS, FLAT_NAMES, TrainConfig
-
     state = read_state(ckpt, required=("step", "data"))
     for key in ("epoch", "batch_index"):  # (what the trainer resumes the data loader from)
         if key not in state["data"]:
             raise LeantuneError(f"{ckpt / 'state.json'}: data has no {key!r}; {CORRUPT}")
-    saved = state.get("config") or {}
-    was = TrainConfig.from_dict(saved)  # nested, or flat as runs before the sections wrote it
+    check_resumed_config(ckpt, state.get("config") or {}, cfg)
+    return state
+
+
+def check_resumed_config(ckpt: Path, saved: dict, cfg) -> None:
+    """`saved`: the checkpoint's config (nested, or flat as runs before the sections wrote it:
+    those trained SFT with the default objective). Each RESUME_MUST_MATCH setting it records,
+    and the objective with its settings, must equal `cfg`'s: one line naming the flag if not."""
+    from dataclasses import fields
+
+    from .config import FLAT_KEYS, FLAT_NAMES, TrainConfig
+
+    was = TrainConfig.from_dict(saved)
 
     def recorded(key):  # a setting the checkpoint's config holds (flat or in its section)
         if key in FLAT_KEYS:
@@ -267,8 +274,7 @@ def check_resume_settings(ckpt: Path, cfg) -> dict:
         return key in saved
 
     keys = [k for k in RESUME_MUST_MATCH if recorded(k)]
-    if isinstance(saved.get("objective"), dict):  # the objective and its settings too
-        keys += [FLAT_NAMES[("objective", f.name)] for f in fields(was.objective)]
+    keys += [FLAT_NAMES[("objective", f.name)] for f in fields(was.objective)]
     for key in keys:
         if _comparable(was.get(key)) != _comparable(cfg.get(key)):
             flag = "--" + key.replace("_", "-")
@@ -276,7 +282,6 @@ def check_resume_settings(ckpt: Path, cfg) -> dict:
                 f"{ckpt}: the run was started with {flag} {was.get(key)}, this command has "
                 f"{cfg.get(key)}; resume with the same value (or start a new run in "
                 "another --output)")
-    return state
 
 
 def save_checkpoint(output: Path, step: int, model, optimizer, state: dict, keep: int = 2,

@@ -14,7 +14,7 @@ adapter or model.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 
@@ -32,8 +32,9 @@ from ..model.config import ModelConfig
 from ..model.loader import DTYPES, build_empty, default_dtype, load_model, resolve_checkpoint
 from ..utils.io import save_pretrained_safely
 from ..utils.paths import check_output_folder
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from .config import FLAT_NAMES, TrainConfig
+from .checkpoint import (check_resumed_config, latest_checkpoint, load_checkpoint,
+                         save_checkpoint)
+from .config import TrainConfig
 from .health import NonFiniteWatch
 from .merge_at_end import check_merge_at_end
 from .objectives import objective_for
@@ -327,7 +328,8 @@ class Trainer(StepRunner):
     def _resume(self) -> None:
         ckpt = latest_checkpoint(self.output)  # there is one: RunFolder.check
         state = load_checkpoint(ckpt, self.model, self.optimizer)
-        self._check_resumed_config(ckpt, state.get("config") or {})
+        # (again under torchrun, where only rank 0 checked before loading: RunFolder.check)
+        check_resumed_config(ckpt, state.get("config") or {}, self.cfg)
         self.step = self.saved_step = int(state["step"])
         if self.step > self.total_steps:
             raise LeantuneError(f"{ckpt}: the run is at step {self.step}, past the "
@@ -347,28 +349,6 @@ class Trainer(StepRunner):
             self.log(f"the run now has {self.total_steps} optimizer steps (it was started with "
                      f"{before}): the {cfg.schedule} schedule runs over {self.total_steps} steps, "
                      f"so step {self.step + 1} gets learning rate {new:.3g} (was {old:.3g})")
-
-    # Settings that change what the remaining steps compute: resuming with other values would
-    # not continue the interrupted run. (Data, batch size, max_seq_len, seed and the LoRA shapes
-    # are checked by the loader and the checkpoint loader; the length, --max-steps / --epochs,
-    # may change: that extends or shortens the run.)
-    RESUME_MUST_MATCH = ("grad_accum", "lr", "weight_decay", "warmup_steps", "schedule",
-                         "max_grad_norm", "dtype", "train_on_inputs", "router_aux_loss_coef",
-                         "load_in_4bit", "adapter")
-
-    def _check_resumed_config(self, ckpt: Path, saved: dict) -> None:
-        """`saved`: the checkpoint's config (nested, or flat as runs before the sections wrote
-        it: those trained SFT). The objective and its settings must match too."""
-        was = TrainConfig.from_dict(saved)
-        keys = [k for k in self.RESUME_MUST_MATCH if k in saved]
-        keys += [FLAT_NAMES[("objective", f.name)] for f in fields(was.objective)]
-        for key in keys:
-            if was.get(key) != self.cfg.get(key):
-                flag = "--" + key.replace("_", "-")
-                raise LeantuneError(
-                    f"{ckpt}: the run was started with {flag} {was.get(key)}, this command has "
-                    f"{self.cfg.get(key)}; resume with the same value (or start a new run "
-                    f"in another --output)")
 
     # --- what a run keeps ------------------------------------------------------------------------
     def run_settings(self) -> dict:

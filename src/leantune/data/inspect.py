@@ -109,6 +109,10 @@ def packing_summary(dataset: SFTDataset) -> str:
 def inspect_dataset(dataset: SFTDataset, rows: int = 3, *, color: bool = False,
                     tokens: bool = False) -> str:
     """The report `leantune inspect-data` prints (see the module docstring)."""
+    if getattr(dataset, "kind", None) == "prompts":  # prompt-only rows (GRPO)
+        from leantune.data.prompts_data import inspect_prompts
+
+        return inspect_prompts(dataset, rows, color=color, tokens=tokens)
     if not isinstance(dataset, SFTDataset):  # preference pairs or KTO rows
         return inspect_preference(dataset, rows, color=color, tokens=tokens)
     if rows < 0:
@@ -143,6 +147,10 @@ def open_dataset(data, tokenizer, max_seq_len: int, *, format=None, train_on_inp
                           train_on_inputs=train_on_inputs, split=split, subset=subset)
     except LeantuneError as e:
         msg = str(e)
+        if format is None and _prompt_only(msg):  # {"prompt": ...} alone: GRPO's rows
+            from leantune.data.prompts_data import PromptDataset
+
+            return PromptDataset(data, tokenizer, max_prompt_len, split=split, subset=subset)
         if format is not None or "cannot detect the data format" not in msg or not (
                 ("'chosen'" in msg or "'rejected'" in msg)
                 or ("'completion'" in msg and "'label'" in msg)):
@@ -153,6 +161,12 @@ def open_dataset(data, tokenizer, max_seq_len: int, *, format=None, train_on_inp
                            split=split, subset=subset)
     ds.tokenizer = tokenizer  # (the report decodes with it)
     return ds
+
+
+def _prompt_only(msg: str) -> bool:
+    """Whether an undetectable SFT format's message names a prompt-only first row."""
+    return ("cannot detect the data format" in msg and "'prompt'" in msg
+            and not any(k in msg for k in ("'chosen'", "'rejected'", "'completion'")))
 
 
 def inspect_preference(dataset, rows: int = 3, *, color: bool = False,

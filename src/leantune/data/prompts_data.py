@@ -89,11 +89,9 @@ class PromptDataset:
             raise LeantuneError(f"--max-prompt-len must be a positive integer, got "
                                 f"{max_prompt_len!r}")
         self.max_prompt_len = max_prompt_len
-        if isinstance(data, (str, os.PathLike)):
-            self.source, located = load_rows(data, split, subset, split_flag=split_flag)
-        else:
-            self.source = "<rows>"
-            located = [(f"row {i}", row) for i, row in enumerate(data, start=1)]
+        from_file = isinstance(data, (str, os.PathLike))
+        self.source, located = (load_rows(data, split, subset, split_flag=split_flag) if from_file
+                                else ("<rows>", [(f"row {i}", r) for i, r in enumerate(data, 1)]))
         if not located:
             raise LeantuneError(f"{self.source}: no prompt rows; add at least one")
         self.tokenizer = tokenizer

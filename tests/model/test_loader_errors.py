@@ -87,7 +87,8 @@ def test_unsupported_model_type(good, tmp_path):
     for supported in SUPPORTED_MODEL_TYPES:
         assert supported in msg
     assert set(SUPPORTED_MODEL_TYPES) == {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe",
-                                          "mixtral", "gpt_oss"}
+                                          "mixtral", "gpt_oss", "gemma2", "gemma3_text",
+                                          "gemma3", "phi3"}
 
 
 @pytest.mark.parametrize("field", ["hidden_size", "vocab_size", "num_attention_heads",
@@ -180,6 +181,8 @@ def test_config_errors_from_dict():
     with pytest.raises(LeantuneError, match="model_type None"):
         ModelConfig.from_dict({}, source="x.json")
     with pytest.raises(LeantuneError, match="unsupported|not supported"):
+        ModelConfig.from_dict({"model_type": "gemma"}, source="x.json")
+    with pytest.raises(LeantuneError, match="text_config"):
         ModelConfig.from_dict({"model_type": "gemma3"}, source="x.json")
 
 

@@ -118,8 +118,41 @@ def _autocast_on() -> bool:
         return torch.is_autocast_enabled()
 
 
+# The parts of a layer the fused path runs: its modules by role, and the attention's own parts
+# (a part not listed here, e.g. a norm a new family adds, keeps the layer off the fused path)
+FUSED_ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
+FUSED_NORM_ROLES = ("attn_in", "mlp_in")
+
+
+def structure_unsupported(layer) -> str | None:
+    """Why the structure of `layer` is not one the fused executor runs (None if it is): every
+    child module must be a part it knows by role (the attn_in and mlp_in norms, attention's
+    projections and q/k norms, the MLP or MoE block), and the layer must not need what it does
+    not do (attention-out / MLP-out norms, soft-capping, partial rotary)."""
+    roles = layer.norm_roles
+    known = {getattr(roles, r) for r in FUSED_NORM_ROLES} | {"self_attn", "mlp"}
+    for role in ("attn_out", "mlp_out"):
+        if getattr(roles, role) is not None:
+            return f"a {role.replace('_', '-')} norm ({getattr(roles, role)})"
+    for name, _ in layer.named_children():
+        if name not in known:
+            return f"layer part {name!r}, which the fused executor does not run"
+    at = layer.self_attn
+    for name, _ in at.named_children():
+        if name not in FUSED_ATTENTION_PARTS:
+            return f"attention part {name!r}, which the fused executor does not run"
+    if getattr(at, "softcap", None):
+        return "attention soft-capping"
+    if getattr(at, "rotary_dim", None) is not None:
+        return "partial rotary"
+    return None
+
+
 def fused_unsupported(layer) -> str | None:
     """Why `layer` can't take the fused path (None if it can)."""
+    why = structure_unsupported(layer)
+    if why:
+        return why
     if isinstance(layer.mlp, MoEBlock):
         from .moe_layer import moe_unsupported
 
@@ -299,7 +332,7 @@ class _LayerRun:
         """norm1 -> q, k, v -> (q/k norm) -> RoPE -> attention.
         Returns X1, rstd1, qkv, (q4, k4, v4) as attention read them, out4, attention state."""
         at = self.layer.self_attn
-        X1, rstd1 = self._normed(self.layer.input_layernorm, x2, self.qkv)
+        X1, rstd1 = self._normed(self.layer.norm("attn_in"), x2, self.qkv)
         qkv = self.qkv.project(X1)
         q4, k4, v4 = self._rotated(qkv, shape, in_place=True)
         out4, state = self.ex.attention.forward(q4, k4, v4, self.meta, at.window, at.scale,
@@ -362,7 +395,7 @@ class _LayerRun:
         N = h_mid.shape[0]
         inter = self.layer.mlp.up_proj.out_features
         keep = self.plan.keep
-        X2, _ = self._normed(self.layer.post_attention_layernorm, h_mid, self.gu)
+        X2, _ = self._normed(self.layer.norm("mlp_in"), h_mid, self.gu)
         xa_down = (h_mid.new_empty(N, self.down.R)
                    if keeps_state and self.down.has_lora_cols else None)
         for rows in self._chunks(N, keep >= Keep.ALL, h_mid.element_size(), forward=True):
@@ -405,7 +438,7 @@ class _LayerRun:
             X1, rstd1, qkv, (q4, k4, v4), out4, state = self._attention(x2, self.shape, True)
             h_mid = self.o.project(out4.reshape(N, -1), resid=x2)
         else:
-            X1, rstd1 = self._normed(self.layer.input_layernorm, x2, self.qkv, kept.xa_qkv)
+            X1, rstd1 = self._normed(self.layer.norm("attn_in"), x2, self.qkv, kept.xa_qkv)
             qkv, h_mid, state = kept.qkv, kept.h_mid, kept.attn_state
             kept.xa_qkv = kept.qkv = kept.h_mid = kept.attn_state = None
             q4, k4, v4 = self._rotated(qkv, self.shape, in_place=False)
@@ -440,7 +473,7 @@ class _LayerRun:
         del dqkv, dq4, dk4
         dx = None
         if need_dx:  # not for the first layer: its input is the (frozen) embedding
-            norm = self.layer.input_layernorm
+            norm = self.layer.norm("attn_in")
             dx = rms_norm_bwd(dxn1, x2, norm.weight, rstd1, norm.offset,
                               residual=dh_mid).view(B, T, H)
         store.release(self.handle)
@@ -457,7 +490,7 @@ class _LayerRun:
         inter = self.layer.mlp.up_proj.out_features
         keep = self.plan.keep
         kept_gu, kept.gu = kept.gu, None
-        X2, rstd2 = self._normed(self.layer.post_attention_layernorm, h_mid, self.gu, kept.xa_gu)
+        X2, rstd2 = self._normed(self.layer.norm("mlp_in"), h_mid, self.gu, kept.xa_gu)
         xa_down, kept.xa_gu, kept.xa_down = kept.xa_down, None, None
         # d norm2(h_mid), in a buffer as wide as the gate/up group's input-gradient GEMM writes
         dxn2 = h_mid.new_empty(N, self.gu.grad_width())
@@ -473,7 +506,7 @@ class _LayerRun:
             self.gu.backward(X2[rows], gu, grads, out=dxn2[rows])
             del gu
         dxn2 = dxn2[:, :H]
-        post = self.layer.post_attention_layernorm
+        post = self.layer.norm("mlp_in")
         return rms_norm_bwd(dxn2, h_mid, post.weight, rstd2, post.offset, residual=dout)
 
 

@@ -111,7 +111,7 @@ class MoELayerRun(_LayerRun):
         return weights, Grouping.build(idx, moe.spec.num_experts, moe.grouped_mm)
 
     def _mlp_forward(self, h_mid: torch.Tensor, out: torch.Tensor, keeps_state: bool) -> dict:
-        moe, post = self.layer.mlp, self.layer.post_attention_layernorm
+        moe, post = self.layer.mlp, self.layer.norm("mlp_in")
         xn, _ = rms_norm_fwd(h_mid, post.weight, post.eps, post.offset)
         weights, g = self._route(xn)
         gu = self._project("gate_up_proj", xn.index_select(0, g.tokens), g)
@@ -122,7 +122,7 @@ class MoELayerRun(_LayerRun):
 
     def _mlp_backward(self, h_mid: torch.Tensor, dout: torch.Tensor, kept: Kept,
                       grads: dict) -> torch.Tensor:
-        moe, post = self.layer.mlp, self.layer.post_attention_layernorm
+        moe, post = self.layer.mlp, self.layer.norm("mlp_in")
         experts, k = moe.experts, moe.spec.top_k
         N, H = dout.shape
         xn, rstd = rms_norm_fwd(h_mid, post.weight, post.eps, post.offset)

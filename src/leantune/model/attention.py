@@ -19,7 +19,7 @@ attends to nothing, so a query may give less than all of its weight to the keys.
 nor varlen_attn takes one. On the varlen and causal paths they are added on top of flash
 attention's log-sum-exp (sink_attention.py: exact, nothing [T, T] kept; a "causal" batch is
 varlen with one document per row); on the mask and cache paths the softmax is computed here with
-the sink as an extra column (`_sink_attention`: the scores [B, Hq, T, T] in fp32).
+the sink as an extra column (`_scores_attention`: the scores [B, Hq, T, T] in fp32).
 
 The hand-written layer backward (leantune.engine) has attention backends of its own that keep
 the softmax statistics for backward; they read the same metadata.
@@ -148,30 +148,52 @@ def cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     return out.view(B, Hk, rep, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D)
 
 
-def _sink_attention(q, k, v, mask, sinks, scale):
-    """Softmax attention whose denominator has one more logit per head, `sinks` [Hq], which
-    attends to nothing. q: [B, T, Hq, D], k/v: [B, T, Hk, D], mask: bool [B, 1, T, T]
-    -> [B, T, Hq, D]. The softmax runs in fp32."""
+def _scores_attention(q, k, v, mask, scale, sinks=None, softcap=None):
+    """Softmax attention computed from the scores [B, Hq, T, S] in fp32, for what SDPA does not
+    take: `sinks` [Hq], one more logit per head in the denominator that attends to nothing
+    (gpt-oss), and `softcap`, scores -> softcap * tanh(scores / softcap) before the mask
+    (Gemma 2). q: [B, T, Hq, D], k/v: [B, S, Hk, D], mask: bool [B, 1, T, S] -> [B, T, Hq, D]."""
     B, T, Hq, D = q.shape
     rep = Hq // k.shape[2]
     if rep > 1:
         k, v = repeat_kv_heads(k, rep), repeat_kv_heads(v, rep)
     scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
-    sink = sinks.float().view(1, Hq, 1, 1).expand(B, Hq, T, 1)
-    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        sink = sinks.float().view(1, Hq, 1, 1).expand(B, Hq, T, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     return torch.einsum("bhqk,bkhd->bqhd", probs.to(v.dtype), v)
 
 
+def _sink_attention(q, k, v, mask, sinks, scale):
+    """`_scores_attention` with sinks [Hq] (the tests' reference of the sink paths)."""
+    return _scores_attention(q, k, v, mask, scale, sinks)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta,
-              window: int | None, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+              window: int | None, scale: float, sinks: torch.Tensor | None = None,
+              softcap: float | None = None) -> torch.Tensor:
     """Causal attention within documents. q: [B, T, Hq, D], k/v: [B, T, Hk, D] -> [B, T, Hq, D]
     (the "cache" path: k/v are the cache's [B, S, Hk, D]). `sinks` [Hq]: attention sinks
-    (module docstring)."""
+    (module docstring). `softcap` (Gemma 2): the scores are soft-capped, computed whole on the
+    mask and cache paths; a model with soft-capping builds its metadata on the mask path
+    (CausalLM.hidden_states)."""
     B, T, Hq, D = q.shape
+    if softcap:
+        if meta.path == "causal":
+            mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()[None, None]
+        elif meta.path in ("mask", "cache"):
+            mask = meta.masks[window]
+        else:
+            raise ValueError("attention soft-capping runs on the mask, causal and cache paths")
+        return _scores_attention(q, k, v, mask, scale, sinks, softcap)
     if sinks is not None:
         if meta.path in ("mask", "cache"):
-            return _sink_attention(q, k, v, meta.masks[window], sinks, scale)
+            return _scores_attention(q, k, v, meta.masks[window], scale, sinks)
         if meta.path == "varlen":
             return sink_attention_varlen(q, k, v, sinks, meta.cu_seqlens, meta.max_seqlen,
                                          window, scale)

@@ -17,8 +17,7 @@ from ..errors import LeantuneError
 from ..kernels.swiglu import act_code
 from .limits import check_config_bounds
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gpt_oss")
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "gpt_oss")
+from .families import MOE_MODEL_TYPES, SUPPORTED_MODEL_TYPES, Family, Norms, family
 
 
 @dataclass(frozen=True)
@@ -73,12 +72,29 @@ class ModelConfig:
     sliding_window: int | None = None
     layer_types: list[str] = field(default_factory=list)  # "full_attention" | "sliding_attention"
     norm_offset: float = 0.0  # Gemma-style (1 + w) norms use 1.0
+    norms: Norms = field(default_factory=Norms)  # which checkpoint norm plays which role
+    embed_scale: float | None = None  # Gemma: the embedding times sqrt(hidden_size)
+    attn_scale: float | None = None  # None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar)
+    attn_softcap: float | None = None  # Gemma 2: scores -> c * tanh(scores / c)
+    final_softcap: float | None = None  # Gemma 2: logits -> c * tanh(logits / c)
+    # per-layer-type RoPE (Gemma 3): layer type -> (base, scaling); {} = rope_theta everywhere
+    layer_rope: dict = field(default_factory=dict)
+    rotary_dim: int | None = None  # partial rotary (Phi-4-mini): the rotated dims of a head
     attention_sinks: bool = False  # gpt-oss: a learned logit per head joins each softmax
     moe: MoESpec | None = None  # mixture-of-experts families
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
     raw: dict = field(default_factory=dict, repr=False)  # the config.json as read, for export
+
+    @property
+    def family(self) -> Family:
+        return family(self.model_type)
+
+    def rope_key(self, i: int) -> str:
+        """Which RoPE table layer i reads: its layer type with per-layer-type RoPE, else
+        "default" (one table for all)."""
+        return self.layer_types[i] if self.layer_rope else "default"
 
     @property
     def q_size(self) -> int:
@@ -132,63 +148,111 @@ class ModelConfig:
                 f"{source}: model_type {mt!r} is not supported; supported: "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        fam = family(mt)
+        if fam.text_config:  # a multimodal checkpoint: its language model's fields
+            text = d.get("text_config")
+            if not isinstance(text, dict):
+                raise LeantuneError(f"{source}: model_type {mt!r} needs a text_config object")
+            raw = d
+            d = {**text, **{k: d[k] for k in ("tie_word_embeddings",) if k in d},
+                 "model_type": mt}
+        else:
+            raw = d
         check_config_bounds(d, source)  # before any size is used: no list of 1e9 layers
         try:
-            heads = int(d["num_attention_heads"])
-            hidden = int(d["hidden_size"])
-            rope_theta, rope_scaling = _rope_from_config(d)
-            sliding = d.get("sliding_window")
-            layer_types = list(d.get("layer_types") or [])
-            if mt in ("qwen2", "qwen3", "qwen3_moe"):
-                if not d.get("use_sliding_window", False):
-                    sliding, layer_types = None, []
-                elif not layer_types and sliding:
-                    # older configs: layers from max_window_layers on use the window
-                    first = int(d.get("max_window_layers", 0))
-                    layer_types = ["sliding_attention" if i >= first else "full_attention"
-                                   for i in range(int(d["num_hidden_layers"]))]
-            if mt == "gpt_oss" and not layer_types:  # its default: sliding on every other layer
-                layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention"
-                               for i in range(int(d["num_hidden_layers"]))]
-            if layer_types and "sliding_attention" not in layer_types:
-                layer_types = []
-            llama_bias = bool(d.get("attention_bias", False))
-            act = d.get("hidden_act", "silu")
-            if act_code(act) is None:  # (not a string, or no kernel for it)
-                raise LeantuneError(f"{source}: hidden_act {act!r} is not supported (supported: "
-                                    "silu, gelu, gelu_pytorch_tanh)")
-            return cls(
-                model_type=mt,
-                vocab_size=int(d["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(d["intermediate_size"]),
-                num_hidden_layers=int(d["num_hidden_layers"]),
-                num_attention_heads=heads,
-                num_key_value_heads=int(d.get("num_key_value_heads") or heads),
-                head_dim=int(d.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                rope_theta=rope_theta,
-                rope_scaling=rope_scaling,
-                max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
-                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                attention_bias=True if mt == "qwen2" else llama_bias,
-                o_bias=llama_bias if mt in ("llama", "mistral", "gpt_oss") else False,
-                mlp_bias=bool(d.get("mlp_bias", False)),
-                qk_norm=mt in ("qwen3", "qwen3_moe"),
-                attention_sinks=mt == "gpt_oss",
-                moe=_moe_from_config(d, mt) if mt in MOE_MODEL_TYPES else None,
-                hidden_act=act,
-                sliding_window=int(sliding) if sliding else None,
-                layer_types=layer_types,
-                bos_token_id=d.get("bos_token_id"),
-                eos_token_id=d.get("eos_token_id"),
-                pad_token_id=d.get("pad_token_id"),
-                raw=dict(d),
-            )
+            return cls._from_fields(d, mt, fam, raw, source)
         except KeyError as e:
             raise LeantuneError(f"{source}: required field {e.args[0]!r} is missing") from None
         except (TypeError, ValueError) as e:
             raise LeantuneError(f"{source}: a field has an invalid value ({e})") from None
+
+    @classmethod
+    def _from_fields(cls, d: dict, mt: str, fam: Family, raw: dict,
+                     source: str) -> "ModelConfig":
+        """The config of family `fam` from the language model's fields `d` (raw: config.json
+        as read). KeyError / TypeError / ValueError: a missing or invalid field."""
+        heads = int(d["num_attention_heads"])
+        hidden = int(d["hidden_size"])
+        layers = int(d["num_hidden_layers"])
+        head_dim = int(d.get("head_dim") or hidden // heads)
+        rope_theta, rope_scaling = _rope_from_config(d, fam.default_rope_theta)
+        sliding = d.get("sliding_window")
+        layer_types = list(d.get("layer_types") or [])
+        if fam.windows == "qwen":
+            if not d.get("use_sliding_window", False):
+                sliding, layer_types = None, []
+            elif not layer_types and sliding:
+                # older configs: layers from max_window_layers on use the window
+                first = int(d.get("max_window_layers", 0))
+                layer_types = ["sliding_attention" if i >= first else "full_attention"
+                               for i in range(layers)]
+        elif fam.windows == "alternate" and not layer_types:  # sliding on every other layer
+            layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                           for i in range(layers)]
+        elif fam.windows == "pattern6" and not layer_types:  # 5 sliding, then 1 full
+            every = int(d.get("sliding_window_pattern") or 6)
+            layer_types = ["sliding_attention" if (i + 1) % every else "full_attention"
+                           for i in range(layers)]
+        layer_rope = {}
+        if fam.local_rope_theta is not None and "sliding_attention" in layer_types:
+            layer_rope = {"full_attention": (rope_theta, rope_scaling),
+                          "sliding_attention": _local_rope(d, fam.local_rope_theta)}
+        if layer_types and "sliding_attention" not in layer_types:
+            layer_types = []
+        llama_bias = bool(d.get("attention_bias", False))
+        act = d.get(fam.act_field, d.get("hidden_act", "silu"))
+        if act_code(act) is None:  # (not a string, or no kernel for it)
+            raise LeantuneError(f"{source}: hidden_act {act!r} is not supported (supported: "
+                                "silu, gelu, gelu_pytorch_tanh)")
+        qkv_bias = {"always": True, "never": False}.get(fam.qkv_bias, llama_bias)
+        rotary_dim = None
+        if fam.partial_rotary:
+            factor = (d.get("rope_parameters") or {}).get("partial_rotary_factor",
+                                                         d.get("partial_rotary_factor", 1.0))
+            rotary_dim = int(head_dim * float(factor))
+            rotary_dim = None if rotary_dim == head_dim else rotary_dim
+
+        def opt_float(key):
+            v = d.get(key) if fam.softcaps else None
+            return float(v) if v else None
+
+        return cls(
+            model_type=mt,
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(d["intermediate_size"]),
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=head_dim,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", fam.tied_default)),
+            attention_bias=qkv_bias,
+            o_bias=llama_bias if fam.o_bias else False,
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            qk_norm=fam.qk_norm,
+            attention_sinks=fam.attention_sinks,
+            moe=_moe_from_config(d, mt) if fam.moe else None,
+            hidden_act=act,
+            sliding_window=int(sliding) if sliding else None,
+            layer_types=layer_types,
+            norm_offset=fam.norm_offset,
+            norms=fam.norms,
+            embed_scale=hidden ** 0.5 if fam.embed_scale else None,
+            attn_scale=(float(d[fam.scale_field]) ** -0.5
+                        if fam.scale_field and d.get(fam.scale_field) else None),
+            attn_softcap=opt_float("attn_logit_softcapping"),
+            final_softcap=opt_float("final_logit_softcapping"),
+            layer_rope=layer_rope,
+            rotary_dim=rotary_dim,
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=d.get("eos_token_id"),
+            pad_token_id=d.get("pad_token_id"),
+            raw=dict(raw),
+        )
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":
@@ -225,13 +289,18 @@ def _moe_from_config(d: dict, mt: str) -> MoESpec:
                    swiglu_alpha=float(d.get("swiglu_alpha", 1.702)), transposed=True)
 
 
-DEFAULT_ROPE_THETA = {"gpt_oss": 150000.0}
+def _local_rope(d: dict, default_theta: float) -> tuple[float, dict | None]:
+    """Gemma 3's sliding layers' RoPE: rope_parameters["sliding_attention"] (transformers 5) or
+    rope_local_base_freq (v4), unscaled by default."""
+    params = d.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("sliding_attention"), dict):
+        return _rope_from_config({"rope_parameters": params["sliding_attention"]}, default_theta)
+    return float(d.get("rope_local_base_freq", default_theta)), None
 
 
-def _rope_from_config(d: dict) -> tuple[float, dict | None]:
+def _rope_from_config(d: dict, default_theta: float = 10000.0) -> tuple[float, dict | None]:
     """(rope_theta, scaling) from either transformers 5 `rope_parameters` or v4 fields."""
     params = d.get("rope_parameters")
-    default_theta = DEFAULT_ROPE_THETA.get(d.get("model_type"), 10000.0)
     if isinstance(params, dict) and "full_attention" in params:  # per-layer-type params
         params = params["full_attention"]
     if isinstance(params, dict):

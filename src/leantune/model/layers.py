@@ -56,7 +56,9 @@ class Attention(nn.Module):
         self.sinks = (nn.Parameter(torch.empty(cfg.num_attention_heads))
                       if cfg.attention_sinks else None)
         self.window = cfg.window_for_layer(layer_idx)
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.attn_scale or cfg.head_dim ** -0.5
+        self.softcap = cfg.attn_softcap  # Gemma 2: scores -> c tanh(scores / c)
+        self.rotary_dim = cfg.rotary_dim  # partial rotary: RoPE on the first dims only
         self.layer_idx = layer_idx  # which buffers of a KV cache are this layer's
 
     def forward(self, x, cos, sin, meta: AttentionMeta):
@@ -67,10 +69,15 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = kernels.apply_rope(q, k, cos, sin)
+        if self.rotary_dim is None:
+            q, k = kernels.apply_rope(q, k, cos, sin)
+        else:  # (cos/sin are [B, T, rotary_dim])
+            r = self.rotary_dim
+            qr, kr = kernels.apply_rope(q[..., :r], k[..., :r], cos, sin)
+            q, k = torch.cat([qr, q[..., r:]], -1), torch.cat([kr, k[..., r:]], -1)
         if meta.kv_cache is not None:  # generation: keep the new k/v, attend over all cached
             k, v = meta.kv_cache.update(self.layer_idx, k, v)
-        out = attention(q, k, v, meta, self.window, self.scale, self.sinks)
+        out = attention(q, k, v, meta, self.window, self.scale, self.sinks, self.softcap)
         return self.o_proj(out.reshape(B, T, -1))
 
 
@@ -90,7 +97,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """x -> x + attn(norm1(x)) -> h + mlp(norm2(h)); mlp: MLP, or MoEBlock in a sparse layer.
+    """x -> h = x + attn_out(attn(attn_in(x))) -> h + mlp_out(mlp(mlp_in(h))); mlp: MLP, or
+    MoEBlock in a sparse layer. The norms are described by role (model/families.py Norms): each
+    is the module of its checkpoint name (Llama's post_attention_layernorm is its mlp_in,
+    Gemma's its attn_out); the "out" norms are optional (None: identity).
 
     `executor`: None (plain autograd), or an object the engine sets, called as
     executor(layer, x, cos, sin, meta) while gradients are recorded; it computes the same
@@ -99,11 +109,25 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+        self.norm_roles = cfg.norms
+        names = dict(cfg.norms.items())
+        for role in ("attn_in", "attn_out"):
+            if role in names:
+                self.add_module(names[role], RMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
+                                                     cfg.norm_offset))
         self.self_attn = Attention(cfg, layer_idx)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+        for role in ("mlp_in", "mlp_out"):
+            if role in names and names[role] not in self._modules:
+                self.add_module(names[role], RMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
+                                                     cfg.norm_offset))
         self.mlp = MoEBlock(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg)
+        self.rope_key = cfg.rope_key(layer_idx)  # which of the batch's RoPE tables it reads
         self.executor = None
+
+    def norm(self, role: str) -> RMSNorm | None:
+        """The norm playing `role` ("attn_in", "attn_out", "mlp_in", "mlp_out"), or None."""
+        name = getattr(self.norm_roles, role)
+        return None if name is None else getattr(self, name)
 
     def forward(self, x, cos, sin, meta: AttentionMeta):
         """x: [B, T, H] -> [B, T, H]."""
@@ -113,5 +137,9 @@ class DecoderLayer(nn.Module):
 
     def plain_forward(self, x, cos, sin, meta: AttentionMeta):
         """The layer's math under autograd (also what an executor may recompute through)."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        a = self.self_attn(self.norm("attn_in")(x), cos, sin, meta)
+        out_norm = self.norm("attn_out")
+        x = x + (a if out_norm is None else out_norm(a))
+        m = self.mlp(self.norm("mlp_in")(x))
+        out_norm = self.norm("mlp_out")
+        return x + (m if out_norm is None else out_norm(m))

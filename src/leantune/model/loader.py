@@ -253,8 +253,9 @@ def _read_rows_into(p: torch.Tensor, piece, sf, rows) -> None:
     expert when it is among this process's rows."""
     dst, part = rows(p)
     if piece.expert is None:
+        a = piece.fused_rows[0] if piece.fused_rows else 0  # (rows of a fused tensor)
         if part.stop > part.start:
-            dst.copy_(sf.get_slice(piece.key)[part])
+            dst.copy_(sf.get_slice(piece.key)[a + part.start:a + part.stop])
     elif part.start <= piece.expert < part.stop:
         local = dataclasses.replace(piece, expert=piece.expert - part.start)
         local.target(dst).copy_(sf.get_tensor(piece.key))

@@ -14,12 +14,16 @@ from ..errors import LeantuneError
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None,
-                  device=None) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [head_dim // 2] (fp32) and the attention scaling factor for cos/sin."""
+                  device=None, max_positions: int | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim // 2] (fp32) and the attention scaling factor for cos/sin
+    (head_dim: the rotated dims; partial rotary passes fewer). LongRoPE: [2, head_dim // 2],
+    the short and the long factors' (`rope_cos_sin` picks one per batch)."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
     if not scaling:
         return inv, 1.0
     rtype = scaling.get("rope_type")
+    if rtype == "longrope":
+        return _longrope(inv, scaling, max_positions)
     if rtype == "linear":
         return inv / float(scaling["factor"]), 1.0
     if rtype == "llama3":
@@ -37,7 +41,34 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None,
     if rtype == "yarn":
         return _yarn(inv, head_dim, theta, scaling)
     raise LeantuneError(f"config.json: rope scaling type {rtype!r} is not supported yet "
-                        "(supported: default, linear, llama3, yarn)")
+                        "(supported: default, linear, llama3, yarn, longrope)")
+
+
+def _longrope(inv: torch.Tensor, scaling: dict,
+              max_positions: int | None) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3 / Phi-4, Ding et al. 2024): each frequency divided by its factor, the
+    short factors for batches within original_max_position_embeddings, the long ones beyond;
+    cos/sin scaled by `attention_factor`, by default sqrt(1 + ln(s) / ln(original)) with
+    s = max_position_embeddings / original (or `factor`)."""
+    old_ctx = float(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor") or (max_positions or old_ctx) / old_ctx
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_ctx))
+    n = inv.shape[0]
+    factors = torch.tensor([scaling["short_factor"], scaling["long_factor"]],
+                           dtype=torch.float32, device=inv.device)
+    if factors.shape != (2, n):
+        raise LeantuneError(f"config.json: rope short_factor / long_factor must have {n} values "
+                            "each (half the rotated head dims)")
+    return inv[None] / factors, float(attention)
+
+
+def longrope_original(scaling: dict | None) -> int | None:
+    """Where LongRoPE switches to its long factors (positions >= this), or None."""
+    if scaling and scaling.get("rope_type") == "longrope":
+        return int(scaling["original_max_position_embeddings"])
+    return None
 
 
 def _yarn(inv: torch.Tensor, head_dim: int, theta: float,
@@ -76,8 +107,14 @@ def _yarn(inv: torch.Tensor, head_dim: int, theta: float,
 
 
 def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [B, T, head_dim] for per-token positions [B, T] (HF half-split layout)."""
+                 dtype: torch.dtype, long_from: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [B, T, head_dim] for per-token positions [B, T] (HF half-split layout).
+    LongRoPE (inv_freq [2, head_dim // 2], `long_from`): the long frequencies when a position of
+    the batch reaches `long_from`, chosen on the device (no host sync), as transformers does."""
+    if inv_freq.dim() == 2:
+        use_long = position_ids.max() >= long_from
+        inv_freq = torch.where(use_long, inv_freq[1], inv_freq[0])
     freqs = position_ids.to(torch.float32)[..., None] * inv_freq.to(position_ids.device)
     emb = torch.cat((freqs, freqs), dim=-1)
     return (emb.cos() * attention_scaling).to(dtype), (emb.sin() * attention_scaling).to(dtype)

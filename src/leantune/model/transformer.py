@@ -25,7 +25,7 @@ from .attention import AttentionMeta
 from .config import ModelConfig
 from .layers import DecoderLayer, RMSNorm
 from .moe import MoEBlock, load_balancing_loss
-from .rope import rope_cos_sin, rope_inv_freq
+from .rope import longrope_original, rope_cos_sin, rope_inv_freq
 
 
 class Backbone(nn.Module):
@@ -111,7 +111,7 @@ class CausalLM(nn.Module):
         if seed is not None:
             g.manual_seed(seed)
         for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith(("norm.weight", "layernorm.weight")):
                 p.fill_(1.0 - self.config.norm_offset)
             elif "lora_" in name:
                 continue
@@ -121,12 +121,32 @@ class CausalLM(nn.Module):
                 p.copy_(torch.randn(p.shape, generator=g).mul_(std).to(p.dtype))
 
     # --- forward ---------------------------------------------------------------------------
-    def _rope(self, device):
+    def _rope(self, device) -> dict:
+        """{rope key: (inverse frequencies, attention scaling)}: one table per layer type with
+        per-layer-type RoPE (Gemma 3), else one ("default"); over the rotated dims only."""
         if device not in self._rope_cache:
             c = self.config
-            self._rope_cache = {device: rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling,
-                                                      device=device)}
+            dim = c.rotary_dim or c.head_dim
+            params = c.layer_rope or {"default": (c.rope_theta, c.rope_scaling)}
+            self._rope_cache = {device: {
+                key: (*rope_inv_freq(dim, theta, scaling, device=device,
+                                     max_positions=c.max_position_embeddings),
+                      longrope_original(scaling))
+                for key, (theta, scaling) in params.items()}}
         return self._rope_cache[device]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, T] -> [B, T, H]; times sqrt(H) in the table's dtype (Gemma)."""
+        x = embedding_lookup(input_ids, self.model.embed_tokens.weight)  # (table maybe on host)
+        if self.config.embed_scale:
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+        return x
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [..., H] -> logits [..., V] (soft-capped: Gemma 2)."""
+        logits = F.linear(h, self.output_weight())
+        cap = self.config.final_softcap
+        return logits if not cap else torch.tanh(logits / cap) * cap
 
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                       batch: PackedBatch | None = None,
@@ -136,9 +156,12 @@ class CausalLM(nn.Module):
         B, T = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
-        x = embedding_lookup(input_ids, self.model.embed_tokens.weight)  # (table maybe on host)
-        inv, scale = self._rope(x.device)
-        cos, sin = rope_cos_sin(position_ids, inv, scale, x.dtype)  # once per batch
+        x = self.embed(input_ids)
+        tables = {key: rope_cos_sin(position_ids, inv, scale, x.dtype, long_from)  # once per
+                  for key, (inv, scale, long_from) in self._rope(x.device).items()}  # batch, type
+        path = self.attention_path
+        if path is None and self.config.attn_softcap and meta is None:
+            path = "mask"  # soft-capped scores (model/attention.py)
         if meta is None:
             meta = AttentionMeta.build(
                 (B, T), x.device,
@@ -146,9 +169,9 @@ class CausalLM(nn.Module):
                 cu_seqlens=batch.cu_seqlens if batch is not None else None,
                 max_seqlen=batch.max_seqlen if batch is not None else T,
                 windows={layer.self_attn.window for layer in self.layers}, dtype=x.dtype,
-                path=self.attention_path)
+                path=path)
         for layer in self.layers:
-            x = layer(x, cos, sin, meta)
+            x = layer(x, *tables[layer.rope_key], meta)
         return self.model.norm(x)
 
     def forward(self, input_ids: torch.Tensor | None = None,
@@ -173,14 +196,16 @@ class CausalLM(nn.Module):
                 raise ValueError("loss_only needs a PackedBatch (its labels are pre-shifted)")
             return CausalLMOutput(loss_sum=kernels.fused_linear_cross_entropy(
                 h.flatten(0, 1), self.output_weight(), batch.labels.flatten(),
-                chunk_bytes=self.loss_chunk_bytes), aux_loss=aux)
+                softcap=self.config.final_softcap, chunk_bytes=self.loss_chunk_bytes),
+                aux_loss=aux)
         if token_logps:
             if batch is None:
                 raise ValueError("token_logps needs a PackedBatch (its labels are pre-shifted)")
             return CausalLMOutput(token_logps=kernels.token_logprobs(
                 h.flatten(0, 1), self.output_weight(), batch.labels.flatten(),
-                chunk_bytes=self.loss_chunk_bytes), aux_loss=aux)
-        logits = F.linear(h, self.output_weight())
+                softcap=self.config.final_softcap, chunk_bytes=self.loss_chunk_bytes),
+                aux_loss=aux)
+        logits = self.logits(h)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
@@ -213,7 +238,7 @@ class CausalLM(nn.Module):
         writes the new keys/values into it and attends over what it holds
         (leantune.generate: T = the prompts at once, then 1 token per step)."""
         h = self.hidden_states(input_ids, position_ids, meta=meta)
-        return F.linear(h[:, -1], self.output_weight())
+        return self.logits(h[:, -1])
 
     def loss_sum(self, batch: PackedBatch) -> torch.Tensor:
         """Summed (fp32) next-token loss over the batch's pre-shifted labels (through forward)."""

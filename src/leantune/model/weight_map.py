@@ -26,13 +26,10 @@ from pathlib import Path
 import torch
 
 from ..errors import LeantuneError
+from .families import family
 from .mxfp4 import BLOCK, dequantize_mxfp4
 
-# per-expert tensor names: model_type -> (module under the layer, {projection: its parts})
-PER_EXPERT = {
-    "qwen3_moe": ("mlp", {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}),
-    "mixtral": ("block_sparse_moe", {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}),
-}
+_LAYER_MODULE = re.compile(r"(model\.layers\.\d+)\.(.+)\.weight")
 _EXPERTS = re.compile(r"(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
 _ROUTER = re.compile(r"(model\.layers\.\d+)\.mlp\.gate\.weight")
 
@@ -41,6 +38,8 @@ _ROUTER = re.compile(r"(model\.layers\.\d+)\.mlp\.gate\.weight")
 class Piece:
     """One checkpoint tensor `key` (of `shape`) and the part of a parameter it fills:
     p[expert, rows[0]:rows[1]] (expert None: all of p; rows None: all rows of the expert).
+    `fused_rows`: p is rows [a, b) of the checkpoint tensor `key` (Phi-3's qkv_proj and
+    gate_up_proj, which hold several of our projections).
     `scales`: key holds MXFP4 blocks and this tensor their scales, of shape shape[:-1]
     (dequantised, each expert transposed from [out, in] to the parameter's [in, out])."""
 
@@ -49,6 +48,7 @@ class Piece:
     expert: int | None = None
     rows: tuple[int, int] | None = None
     scales: str | None = None
+    fused_rows: tuple[int, int] | None = None
 
     def target(self, p: torch.Tensor) -> torch.Tensor:
         """The view of parameter (or same-shaped tensor) `p` this piece fills."""
@@ -65,9 +65,15 @@ def plan_weights(model_type: str, params: dict[str, tuple[int, ...]],
     left out) of a checkpoint whose tensors have `shapes` (in the files `file_of`). A tensor of
     the wrong shape or a parameter without pieces is a one-line LeantuneError."""
     plan, missing = {}, []
+    fam = family(model_type)
+    fused = _fused_rows(fam, params)
     for name, shape in params.items():
-        if name in shapes:
-            pieces = [Piece(name, shape)]
+        key = next((k for k in fam.checkpoint_names(name) if k in shapes), None)
+        if key is not None:
+            pieces = [Piece(key, shape)]
+        elif name in fused and fused[name][0] in shapes:
+            key, rows, whole = fused[name]
+            pieces = [Piece(key, whole, fused_rows=rows)]
         else:
             pieces = _expert_pieces(model_type, name, shape, shapes)
         if pieces is None:
@@ -93,12 +99,35 @@ def plan_weights(model_type: str, params: dict[str, tuple[int, ...]],
     return plan
 
 
+def _fused_rows(fam, params: dict) -> dict[str, tuple[str, tuple[int, int], tuple]]:
+    """{parameter: (checkpoint tensor, its rows [a, b), that tensor's shape)} for the
+    parameters a family's fused checkpoint tensors hold (Family.fused)."""
+    out = {}
+    for name in params:
+        m = _LAYER_MODULE.fullmatch(name)
+        if m is None:
+            continue
+        for theirs, ours in fam.fused.items():
+            if m[2] == ours[0]:
+                parts = [f"{m[1]}.{o}.weight" for o in ours]
+                if not all(p in params for p in parts):
+                    break
+                rows = [params[p][0] for p in parts]
+                whole = (sum(rows), *params[parts[0]][1:])
+                start = 0
+                for p, n in zip(parts, rows):
+                    out[p] = (f"{m[1]}.{theirs}.weight", (start, start + n), whole)
+                    start += n
+    return out
+
+
 def _expert_pieces(model_type, name, shape, shapes) -> list[Piece] | None:
     """The pieces of a stacked expert parameter (or a Mixtral router) in the per-expert or
     MXFP4 layouts (module docstring); None when the checkpoint has neither."""
+    fam = family(model_type)
     router = _ROUTER.fullmatch(name)
-    if router and model_type == "mixtral":
-        return [Piece(f"{router[1]}.block_sparse_moe.gate.weight", shape)]
+    if router and fam.router_module:
+        return [Piece(f"{router[1]}.{fam.router_module}.weight", shape)]
     m = _EXPERTS.fullmatch(name)
     if m is None:
         return None
@@ -108,9 +137,9 @@ def _expert_pieces(model_type, name, shape, shapes) -> list[Piece] | None:
         n_in, n_out = shape[1], shape[2]
         return [Piece(f"{name}_blocks", (E, n_out, n_in // BLOCK, BLOCK // 2),
                       scales=f"{name}_scales")]
-    if model_type not in PER_EXPERT:
+    if fam.per_expert is None:
         return None
-    module, parts = PER_EXPERT[model_type]
+    module, parts = fam.per_expert
     names = parts[proj]
     if f"{layer}.{module}.experts.0.{names[0]}.weight" not in shapes:
         return None
@@ -123,6 +152,10 @@ def _expert_pieces(model_type, name, shape, shapes) -> list[Piece] | None:
 def read_piece_into(dest: torch.Tensor, piece: Piece, handle, scales_handle=None) -> None:
     """Fill `piece.target(dest)` from the open safetensors `handle` (the MXFP4 scales from
     `scales_handle`, default `handle`): one tensor, or for MXFP4 one expert at a time."""
+    if piece.fused_rows is not None:
+        a, b = piece.fused_rows
+        piece.target(dest).copy_(handle.get_slice(piece.key)[a:b])
+        return
     if piece.scales is None:
         piece.target(dest).copy_(handle.get_tensor(piece.key))
         return

@@ -27,12 +27,14 @@ import torch
 
 from ...errors import LeantuneError
 from ...model.config import ModelConfig
+from ...model.families import FAMILIES
 from ...model.rope import rope_inv_freq
 from .quants import QUANT_TYPES, QuantType
 
-# model_type -> llama.cpp architecture
+# model_type -> llama.cpp architecture (the family registry's)
 ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-PERMUTED_ARCHITECTURES = ("llama",)
+PERMUTED_ARCHITECTURES = tuple(sorted({f.gguf_arch for f in FAMILIES.values()
+                                       if f.gguf_permute_qk}))
 
 TOP_LEVEL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 LAYER_MODULES = {

@@ -129,6 +129,29 @@ class GRPOObjective(Objective):
     metric_names = SUM_METRICS
     checks_stall = False  # a step of flat groups has loss 0 and gradient 0 by design
 
+    @property
+    def sequences_per_unit(self) -> int:
+        """Sequences per prompt in a micro-batch (the trainer's planner counts batch_size x G
+        rows of up to --max-seq-len tokens: a bound, exact when --max-seq-len is prompt +
+        completion)."""
+        return self.G
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether a no-grad pass over the rollouts runs besides training (the planner's
+        reference_pass): reference log-probs (beta > 0) or old log-probs (num_iterations > 1)."""
+        return self.beta > 0 or self.s.num_iterations > 1
+
+    @property
+    def generation_shape(self) -> tuple[int, int, int] | None:
+        """(rows, KV slots, prompt tokens) of the rollouts' decode, for the planner
+        (engine/planner.Workload.generation); None before the data is read."""
+        ds = getattr(self, "dataset", None)
+        if ds is None:
+            return None
+        rows = self.cfg.batch_size * self.G
+        return rows, ds.longest + self.s.max_completion_tokens, ds.longest
+
     def __init__(self, cfg, log=print):
         super().__init__(cfg, log)
         from ..rewards import load_rewards

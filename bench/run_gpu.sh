@@ -10,6 +10,8 @@
 #          preference (issue 20's DPO step at the 8B shape, reference each step and precomputed,
 #          vs TRL DPOTrainer + PEFT: carry trl/datasets wheels), logprobs (kernels.token_logprobs
 #          vs full logits), speed-8b (the 8B SFT step alone)
+#          grpo (issue 21's GRPO step, generation + training, Llama-3.2-1B vs TRL's generate +
+#          loss; Qwen3-0.6B and Llama-3.1-8B leantune alone: carry the trl wheel for TRL)
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-bench-out}; export OUT; mkdir -p "$OUT"
@@ -35,6 +37,13 @@ for p in $parts; do
                | tee -a "$OUT/log.txt" | grep -v "^{" | grep -v -i warn | tail -n 12 ;;
     logprobs) timeout 150 python bench/gpu_token_logprobs.py 2>&1 | tee -a "$OUT/log.txt" \
                | grep -v "^{" | tail -n 14 ;;
+    grpo)    timeout 240 python bench/gpu_grpo.py 2>&1 | tee -a "$OUT/log.txt" \
+               | grep -v "^{" | grep -v -i warn | tail -n 6
+             timeout 150 python bench/gpu_grpo.py --shape qwen3-0.6b --no-baseline 2>&1 \
+               | tee -a "$OUT/log.txt" | grep -v "^{" | tail -n 3
+             timeout 200 python bench/gpu_grpo.py --shape llama-3.1-8b --prompts 4 \
+               --policy ${GRPO_8B_POLICY:-auto@24} --no-baseline 2>&1 | tee -a "$OUT/log.txt" \
+               | grep -v "^{" | tail -n 3 ;;
     memory)  timeout 150 python bench/memory_peak.py --shape ${MEMORY_SHAPE:-llama-3.1-8b} \
                --policies ${MEMORY_POLICIES:-auto@17} 2>&1 | tee -a "$OUT/log.txt" | tail -n 20 ;;
     loss)    timeout 420 python bench/loss_curve.py --shape ${LOSS_SHAPES:-llama-3.2-1b qwen3-0.6b llama-3.1-8b} \

@@ -73,7 +73,7 @@ def _train_parser(sub) -> None:
       help="MoE models: add this times the router's load-balancing loss (default 0 = off)")
     o = p.add_argument_group("objective", "what the run optimises (default sft: next-token "
                                           "cross-entropy); the rest are preference settings")
-    o.add_argument("--objective", help="sft (default), dpo, orpo, simpo or kto")
+    o.add_argument("--objective", help="sft (default), dpo, orpo, simpo, kto or grpo")
     o.add_argument("--beta", type=float, help="preference: the KL / odds-ratio weight (0.1)")
     o.add_argument("--loss-type", help="DPO family: sigmoid (default), ipo or hinge")
     o.add_argument("--label-smoothing", type=float, help="DPO sigmoid: label smoothing (0)")
@@ -84,6 +84,33 @@ def _train_parser(sub) -> None:
                    help="compute the reference log-probs once, before training")
     o.add_argument("--max-prompt-len", type=int,
                    help="preference: prompt tokens kept, cut from the left (default: no cap)")
+    r = p.add_argument_group("GRPO", "--objective grpo: online RL on prompt-only rows "
+                                     "{\"prompt\": ...}; --beta (default 0) and --loss-type "
+                                     "(dapo, grpo, dr_grpo, bnpo, gspo) apply too")
+    r.add_argument("--reward", action="append",
+                   help="a reward function: FILE.py:FUNCTION (called as TRL's GRPOTrainer calls "
+                        "it) or builtin:exact-answer, builtin:format[=REGEX], "
+                        "builtin:length-penalty; repeat for several")
+    r.add_argument("--reward-weights", type=float, nargs="+",
+                   help="one weight per --reward, in order (default 1 each)")
+    r.add_argument("--num-generations", type=int, help="completions per prompt (default 8)")
+    r.add_argument("--max-completion-tokens", type=int,
+                   help="tokens sampled per completion at most (default 256)")
+    r.add_argument("--temperature", type=float, help="sampling temperature (default 1.0)")
+    r.add_argument("--top-p", type=float, help="nucleus sampling (default 1.0: off)")
+    r.add_argument("--epsilon", type=float, help="clip range of the ratio (default 0.2)")
+    r.add_argument("--epsilon-high", type=float,
+                   help="upper clip range (default: --epsilon; DAPO uses 0.28)")
+    r.add_argument("--num-iterations", type=int,
+                   help="updates per generation batch, the old log-probs kept (default 1)")
+    r.add_argument("--scale-rewards", choices=["group", "batch", "none"],
+                   help="advantages divided by the group's reward std (default), the batch's, "
+                        "or not at all (Dr. GRPO)")
+    r.add_argument("--mask-truncated-completions", action="store_true", default=None,
+                   help="completions cut at --max-completion-tokens train nothing")
+    r.add_argument("--log-completions-every", type=int,
+                   help="every N steps write the first prompt's completions and rewards to "
+                        "OUTPUT/samples.jsonl (default 0: off)")
     a("--load-in-4bit", action="store_true", default=None,
       help="QLoRA: quantise the decoder's linear weights to NF4 while loading (a *-bnb-4bit "
            "checkpoint is 4-bit without it)")

@@ -92,6 +92,10 @@ class Workload:
     expert_lora: bool = False  # MoE: LoRA on the experts (a larger working set)
     reference_pass: bool = False  # a no-grad reference forward each step (DPO, KTO)
     reference_bytes: int = 0  # full fine-tuning: the frozen reference copy (in the fixed bytes)
+    # GRPO (train/objectives/grpo.py: GRPOObjective.generation_shape): the rollouts' decode,
+    # (rows = batch_size x G, KV slots = longest prompt + max completion, prompt tokens of the
+    # prefill); None: no generation inside the step
+    generation: tuple[int, int, int] | None = None
 
 
 class BudgetTooSmall(Exception):
@@ -171,6 +175,29 @@ def reference_pass_bytes(w: Workload, chunk_bytes: int | None = None) -> float:
     return layer + loss_working_bytes(w, chunk_bytes)
 
 
+def kv_cache_bytes(cfg, rows: int, slots: int, itemsize: int) -> int:
+    """The static KV cache of a generation batch (generate/cache.py): k and v [rows, slots,
+    kv heads, head dim] per layer. With CUDA graphs it is made once and stays allocated for the
+    run (the graph reads it by address), so it counts in every phase."""
+    return (2 * cfg.num_hidden_layers * rows * slots * cfg.num_key_value_heads * cfg.head_dim
+            * itemsize)
+
+
+def decode_working_bytes(w: Workload) -> float:
+    """GPU bytes of the generation phase besides the KV cache: the prefill of rows x prompt
+    tokens (one layer's plain forward, as the no-grad reference pass: no graph, nothing kept;
+    its attention masks [rows, 1, prompt, slots] per window kind), the last tokens' logits and
+    the sampler's fp32 scores, softmax and sorted copies [rows, vocab]."""
+    if w.generation is None:
+        return 0.0
+    rows, slots, prompt = w.generation
+    one = rows * prompt * w.cfg.intermediate_size * w.itemsize
+    layer = HEADROOM_HIDDEN * w.itemsize * w.cfg.hidden_size * rows * prompt + 3 * one
+    masks = 2 * rows * prompt * slots  # bool, sliding window and full
+    sampler = rows * w.cfg.vocab_size * (w.itemsize + 4 * 4)
+    return HEADROOM_GIB * 2**30 + layer + masks + sampler
+
+
 def host_memory_bytes(meminfo: str = "/proc/meminfo") -> int:
     """Host memory available to this run now (Linux MemAvailable: free plus reclaimable cache),
     else the machine's physical memory, else 0. Other processes' use (e.g. one per GPU on a
@@ -198,7 +225,7 @@ def plan_peak_bytes(w: Workload, plans: list[LayerPlan],
     ws = working_set_bytes(w)
     ref = reference_pass_bytes(w, loss_chunk_bytes) if w.reference_pass else 0.0
     if w.autograd:
-        return max(sum(gpu) + ws, ref)
+        return with_generation(w, max(sum(gpu) + ws, ref))
     k1 = kept_bytes(w, Keep.ATTENTION)
     # the MLP's part of the working set: row chunks, except in a layer kept whole, which runs it
     # in one piece (its gate/up [tokens, 2 I] and one [tokens, I] tensor; in backward the kept
@@ -225,7 +252,16 @@ def plan_peak_bytes(w: Workload, plans: list[LayerPlan],
         peak = max(peak, forward, backward)
         below += gpu[i]
     loss = below + in_flight(len(plans)) + loss_working_bytes(w, loss_chunk_bytes)
-    return max(peak, loss, ref)
+    return with_generation(w, max(peak, loss, ref))
+
+
+def with_generation(w: Workload, train_peak: float) -> float:
+    """A step's peak with GRPO's generation (w.generation): the KV cache in every phase, and
+    the decode phase beside the training phases; `train_peak` as it is without one."""
+    if w.generation is None:
+        return train_peak
+    kv = kv_cache_bytes(w.cfg, w.generation[0], w.generation[1], w.itemsize)
+    return kv + max(train_peak, decode_working_bytes(w))
 
 
 def recompute_flops(w: Workload, plans: list[LayerPlan]) -> float:

@@ -72,7 +72,8 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int,
            sampling: Sampling | None = None, eos_ids=(), stop_check: Callable | None = None,
            cuda_graphs: bool = True, check_every: int | None = None,
            on_tokens: Callable[[list[list[int]]], None] | None = None,
-           log: Callable[[str], None] | None = None) -> list[Decoded]:
+           log: Callable[[str], None] | None = None,
+           min_slots: int | None = None) -> list[Decoded]:
     """Generate up to `max_new_tokens` tokens after each prompt (token id lists) in one batch.
 
     Args:
@@ -85,6 +86,9 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int,
         check_every: steps between reads of the new tokens to the host (module docstring).
         on_tokens: called at each read with each row's newly kept tokens (streaming).
         log: where a note goes (the CUDA graph fallback); default stderr.
+        min_slots: the KV cache holds at least this many slots (a caller whose prompts vary
+            sizes it for its longest prompt + max_new_tokens, so the cache and the CUDA graph
+            of the decode step are made once and reused: GRPO's rollouts).
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
@@ -93,7 +97,7 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int,
     device = model.output_weight().device
     graphs = cuda_graphs and device.type == "cuda"
     B, P = len(prompts), max(len(p) for p in prompts)
-    slots = P + max_new_tokens
+    slots = max(P + max_new_tokens, min_slots or 0)
     if graphs:
         slots = -(-slots // GRAPH_SLOTS) * GRAPH_SLOTS
     was_training = model.training

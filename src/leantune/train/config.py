@@ -59,29 +59,55 @@ class EngineSettings:
 
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")  # --loss-type of the DPO family
+GRPO_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "gspo")  # --loss-type of GRPO
+PREFERENCE_DEFAULTS = {"beta": 0.1}  # (beta None: 0.1 for the preference objectives, 0 for GRPO)
 
 
 @dataclass
 class ObjectiveSettings:
     """What the run optimises (train/objectives): `name` picks the objective; the rest are the
-    preference objectives' settings (defaults as TRL's), refused with sft, which has none."""
+    preference objectives' and GRPO's settings (defaults as TRL's), refused with sft, which has
+    none. beta and loss_type default by objective (None until validate() resolves them)."""
 
     name: str = "sft"
-    beta: float = 0.1  # DPO/IPO/KTO: the KL weight; ORPO: the odds-ratio weight; SimPO: scale
-    loss_type: str = "sigmoid"  # the DPO family's loss: sigmoid | ipo | hinge
+    # DPO/IPO/KTO: the KL weight; ORPO: the odds-ratio weight; SimPO: scale (0.1 for them);
+    # GRPO: the KL weight to the reference (0: none, no reference pass)
+    beta: float | None = None
+    # the DPO family's loss: sigmoid (default) | ipo | hinge; GRPO's: dapo (default) | grpo |
+    # dr_grpo | bnpo | gspo
+    loss_type: str | None = None
     label_smoothing: float = 0.0  # DPO sigmoid: the assumed share of flipped labels
     simpo_gamma: float = 0.5  # SimPO: the target reward margin
     desirable_weight: float = 1.0  # KTO: the weight of desirable rows
     undesirable_weight: float = 1.0  # KTO: the weight of undesirable rows
     precompute_reference: bool = False  # reference log-probs once, before training
     max_prompt_len: int | None = None  # prompt tokens kept (cut from the left); None: no cap
+    # GRPO (train/objectives/grpo.py; defaults as TRL's GRPOConfig)
+    reward: list = field(default_factory=list)  # FILE.py:FUNCTION or builtin:NAME, repeatable
+    reward_weights: list | None = None  # one weight per --reward (default 1 each)
+    num_generations: int = 8  # completions sampled per prompt (a group)
+    max_completion_tokens: int = 256
+    temperature: float = 1.0  # sampling temperature (the log-probs use it too, as TRL's)
+    top_p: float = 1.0
+    epsilon: float = 0.2  # clip range below 1 (and above it without epsilon_high)
+    epsilon_high: float | None = None  # clip range above 1 (DAPO's clip-higher); None: epsilon
+    num_iterations: int = 1  # updates per generation batch (the old log-probs kept)
+    scale_rewards: str = "group"  # group | batch | none
+    mask_truncated_completions: bool = False  # completions cut at the token limit train nothing
+    log_completions_every: int = 0  # steps between completions written to samples.jsonl; 0 off
 
 
 # The objectives each preference setting applies to (beta and max_prompt_len: all of them); a
 # setting changed for another objective is refused, so a flag never goes silently unused.
-APPLIES_TO = {"loss_type": ("dpo",), "label_smoothing": ("dpo", "simpo"),
+APPLIES_TO = {"label_smoothing": ("dpo", "simpo"),
               "simpo_gamma": ("simpo",), "desirable_weight": ("kto",),
-              "undesirable_weight": ("kto",), "precompute_reference": ("dpo",)}
+              "undesirable_weight": ("kto",), "precompute_reference": ("dpo",),
+              "loss_type": ("dpo", "grpo"),
+              **{k: ("grpo",) for k in ("reward", "reward_weights", "num_generations",
+                                        "max_completion_tokens", "temperature", "top_p",
+                                        "epsilon", "epsilon_high", "num_iterations",
+                                        "scale_rewards", "mask_truncated_completions",
+                                        "log_completions_every")}}
 
 SECTIONS = {"lora": LoRASettings, "engine": EngineSettings, "objective": ObjectiveSettings}
 
@@ -194,7 +220,8 @@ class TrainConfig:
 
     FLOAT_KEYS = ("lr", "weight_decay", "max_grad_norm", "epochs", "lora_alpha", "lora_dropout",
                   "eval_fraction", "max_memory_gib", "router_aux_loss_coef", "beta",
-                  "label_smoothing", "simpo_gamma", "desirable_weight", "undesirable_weight")
+                  "label_smoothing", "simpo_gamma", "desirable_weight", "undesirable_weight",
+                  "temperature", "top_p", "epsilon", "epsilon_high")
 
     def validate(self) -> "TrainConfig":
         for name in self.FLOAT_KEYS:
@@ -271,6 +298,10 @@ class TrainConfig:
         objective_class(o.name)  # an unknown name: one line naming those there are
         if o.name == "sft":
             changed = _changed("objective", o)
+            if changed and APPLIES_TO.get(changed[0]) == ("grpo",):
+                raise LeantuneError(f"{_flag(changed[0])} is a setting of --objective grpo, and "
+                                    f"--objective sft (the default) has none; drop "
+                                    f"{_flag(changed[0])} or add --objective grpo")
             if changed:
                 raise LeantuneError(f"{_flag(changed[0])} is a preference-objective setting, and "
                                     f"--objective sft (the default) has none; drop "
@@ -282,18 +313,23 @@ class TrainConfig:
                 raise LeantuneError(f"{_flag(name)} is a setting of --objective "
                                     f"{' or '.join(owners)}, not of --objective {o.name}; drop "
                                     f"{_flag(name)}")
+        if o.name == "grpo":
+            self._validate_grpo()
+            return
+        if o.beta is None and o.name != "sft":  # the preference objectives' default
+            o.beta = PREFERENCE_DEFAULTS["beta"]
         if o.name != "sft":
             for name in ("train_on_inputs", "format"):
                 if getattr(self, name) not in (None, False):
                     raise LeantuneError(f"{_flag(name)} is an SFT setting; --objective {o.name} "
                                         "trains on the completions of its preference rows "
                                         f"(their fields say which is which): drop {_flag(name)}")
-        if o.loss_type != "sigmoid" and o.label_smoothing:
+        if o.loss_type not in (None, "sigmoid") and o.label_smoothing:
             raise LeantuneError(f"--label-smoothing applies to --loss-type sigmoid, not "
                                 f"{o.loss_type}; drop one of them")
-        if not o.beta > 0:
+        if o.beta is not None and not o.beta > 0:
             raise LeantuneError(f"--beta must be positive, got {o.beta}")
-        if o.loss_type not in LOSS_TYPES:
+        if o.loss_type is not None and o.loss_type not in LOSS_TYPES:
             raise LeantuneError(f"--loss-type must be one of {', '.join(LOSS_TYPES)}, got "
                                 f"{o.loss_type!r}")
         if not 0.0 <= o.label_smoothing <= 0.5:
@@ -304,6 +340,73 @@ class TrainConfig:
         if o.max_prompt_len is not None and not 0 < o.max_prompt_len < self.max_seq_len:
             raise LeantuneError(f"--max-prompt-len must be a positive number of tokens under "
                                 f"--max-seq-len {self.max_seq_len}, got {o.max_prompt_len}")
+
+    def _validate_grpo(self) -> None:
+        """GRPO's settings (one line each); beta defaults to 0 and loss_type to dapo."""
+        o = self.objective
+        if o.beta is None:
+            o.beta = 0.0
+        if o.loss_type is None:
+            o.loss_type = "dapo"
+        for name in ("train_on_inputs", "format"):
+            if getattr(self, name) not in (None, False):
+                raise LeantuneError(f"{_flag(name)} is an SFT setting; --objective grpo trains "
+                                    f"on the completions it samples: drop {_flag(name)}")
+        if self.eval_data or self.eval_fraction:
+            raise LeantuneError("--objective grpo does not evaluate yet: drop "
+                                f"{'--eval-data' if self.eval_data else '--eval-fraction'} "
+                                "(the per-step rewards in metrics.jsonl show its progress)")
+        if o.loss_type not in GRPO_LOSS_TYPES:
+            raise LeantuneError(f"--loss-type for --objective grpo must be one of "
+                                f"{', '.join(GRPO_LOSS_TYPES)}, got {o.loss_type!r}")
+        if not o.beta >= 0:
+            raise LeantuneError(f"--beta must be 0 (no KL term, the default) or more, got "
+                                f"{o.beta}")
+        if o.scale_rewards not in ("group", "batch", "none"):
+            raise LeantuneError(f"--scale-rewards must be group, batch or none, got "
+                                f"{o.scale_rewards!r}")
+        for name, least in (("num_generations", 2), ("max_completion_tokens", 1),
+                            ("num_iterations", 1)):
+            v = getattr(o, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise LeantuneError(f"{_flag(name)} must be an integer of at least {least}, got "
+                                    f"{v!r}" + ("; GRPO compares completions within a group"
+                                                if name == "num_generations" else ""))
+        if o.log_completions_every < 0:
+            raise LeantuneError(f"--log-completions-every must be 0 (off) or more, got "
+                                f"{o.log_completions_every}")
+        if not o.temperature > 0:
+            raise LeantuneError(f"--temperature must be above 0 for GRPO (it samples), got "
+                                f"{o.temperature}")
+        if not 0 < o.top_p <= 1:
+            raise LeantuneError(f"--top-p must be in (0, 1], got {o.top_p}")
+        if not 0 <= o.epsilon < 1:
+            raise LeantuneError(f"--epsilon must be in [0, 1), got {o.epsilon}")
+        if o.epsilon_high is not None and not o.epsilon_high >= 0:
+            raise LeantuneError(f"--epsilon-high must be 0 or more, got {o.epsilon_high}")
+        if o.max_completion_tokens >= self.max_seq_len:
+            raise LeantuneError(f"--max-completion-tokens {o.max_completion_tokens} must be "
+                                f"below --max-seq-len {self.max_seq_len} (prompt + completion "
+                                "fit in it)")
+        if o.max_prompt_len is not None and (
+                o.max_prompt_len <= 0 or o.max_prompt_len + o.max_completion_tokens
+                > self.max_seq_len):
+            raise LeantuneError(f"--max-prompt-len {o.max_prompt_len} plus "
+                                f"--max-completion-tokens {o.max_completion_tokens} must fit in "
+                                f"--max-seq-len {self.max_seq_len}")
+        if not isinstance(o.reward, (list, tuple)) or not o.reward:
+            raise LeantuneError("--objective grpo needs at least one --reward: FILE.py:FUNCTION "
+                                "or builtin:NAME (builtin:exact-answer, builtin:format, "
+                                "builtin:length-penalty)")
+        w = o.reward_weights
+        if w is not None and (not isinstance(w, (list, tuple)) or len(w) != len(o.reward)):
+            raise LeantuneError(f"--reward-weights gives {len(w) if isinstance(w, list) else w!r}"
+                                f" weights for {len(o.reward)} --reward functions; give one "
+                                "weight per function, in order")
+        if w is not None:
+            for x in w:
+                if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+                    raise LeantuneError(f"--reward-weights: {x!r} is not a finite number")
 
 
 def _section(name: str, value):

@@ -108,7 +108,9 @@ class StepRunner:
         if names:  # the loss and the metrics in one all-reduce
             sums = self.parallel.sum_(torch.stack([loss_total, *metric_totals]))
             loss_total = sums[0]
-            self.step_metrics = dict(zip(names, sums[1:] / n))
+            finish = getattr(objective, "finish_metrics", None)  # (its own normalisers)
+            self.step_metrics = (finish(dict(zip(names, sums[1:])), n) if finish is not None
+                                 else dict(zip(names, sums[1:] / n)))
         else:
             self.parallel.sum_(loss_total)
         self.router_aux_loss = aux_total
@@ -123,6 +125,28 @@ class StepRunner:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_total / n, grad_norm, objective.tokens(micro_batches)
+
+    def _window(self, batches) -> list:
+        """The micro-batches of the next step: the objective's (`next_window`: GRPO makes its
+        rollouts here), else grad_accum batches from the loader."""
+        make = getattr(self.objective, "next_window", None)
+        if make is not None:
+            return make(self, batches)
+        return [next(batches) for _ in range(self.cfg.grad_accum)]
+
+    def _host_metrics(self, record: dict, ntok: int, dt: float, values: dict) -> dict:
+        """Add the objective's host metrics (`host_metrics`) to the step's record, with
+        train_tokens_per_s (the step's tokens over its time outside generation); returns what
+        the progress line shows (`progress_metrics`, else the objective's device metrics)."""
+        host = getattr(self.objective, "host_metrics", None)
+        if host is None:
+            return values
+        extra = host()
+        record.update(extra)
+        if "generation_s" in extra:
+            record["train_tokens_per_s"] = ntok / max(dt - extra["generation_s"], 1e-9)
+        show = getattr(self.objective, "progress_metrics", None)
+        return show(record) if show is not None else values
 
     def evaluate_metrics(self) -> dict[str, float]:
         """The objective's evaluation over the eval data: {"eval_loss": ..., "eval_<metric>":
@@ -195,7 +219,7 @@ class StepRunner:
                 # where this step starts: an interrupt before it ends checkpoints from here
                 step_start = (self.step, self.loader.state_dict(), _rng_state())
                 lr = self._set_lr(self.step)
-                window = [next(batches) for _ in range(cfg.grad_accum)]
+                window = self._window(batches)
                 loss, gnorm, ntok = self.train_step(window)
                 self.watch.observe(loss, gnorm)
                 self.step += 1
@@ -205,7 +229,7 @@ class StepRunner:
                 if self.step % cfg.log_every == 0 or self.step == self.total_steps:
                     # the one sync per logged step
                     aux = [] if self.router_aux_loss is None else [self.router_aux_loss]
-                    names = [k for k in self.objective.metric_names if k in self.step_metrics]
+                    names = list(self.step_metrics)
                     (last_loss, grad_norm, *rest), bad, skipped = self.watch.read(
                         self.step, loss, gnorm, *aux,  # (the aux loss and metrics in one copy)
                         *(self.step_metrics[k] for k in names))
@@ -224,15 +248,17 @@ class StepRunner:
                     if aux:
                         record["router_aux_loss"] = aux[0]
                     record.update(values)
+                    shown = self._host_metrics(record, ntok, dt, values)
                     if bad:
                         metrics.write(record)
                         raise self._diverged(last_loss, grad_norm)
-                    stalled = self.watch.stall.check(self.step, cfg, warn=progress.write)
+                    stalled = (self.watch.stall.check(self.step, cfg, warn=progress.write)
+                               if getattr(self.objective, "checks_stall", True) else None)
                     if stalled:  # health.StallWatch: the gradient norm stuck at exactly 0
                         metrics.write(record)
                         raise stalled
                     progress.update(self.step, last_loss, tok_s, eta_s=eta,
-                                    **({"metrics": values} if values else {}))
+                                    **({"metrics": shown} if shown else {}))
                 if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < self.total_steps:
                     ev = self.evaluate_metrics()
                     if ev:

@@ -6,13 +6,21 @@ micro-batch as (loss sum, window normaliser, metrics), and what it evaluates and
 
     sft     next-token cross-entropy over the target tokens (objectives/sft.py)
     dpo, orpo, simpo, kto   preference objectives (objectives/preference.py)
+    grpo    online RL: rollouts by leantune's generation, rewards, clipped policy gradient
+            (objectives/grpo.py)
+
+An objective may also define (the runner uses them when present): next_window(runner,
+batches) -> the step's micro-batches (GRPO: its rollouts); finish_metrics(sums, n) -> the
+logged device metrics of the window's sums; host_metrics() -> host floats for the step's
+record; progress_metrics(record) -> what the progress line shows; checks_stall = False.
 """
 
 from .base import MicroLoss, Objective
+from .grpo import GRPOObjective
 from .preference import PREFERENCE_OBJECTIVES
 from .sft import SFTObjective
 
-OBJECTIVES = {"sft": SFTObjective, **PREFERENCE_OBJECTIVES}
+OBJECTIVES = {"sft": SFTObjective, **PREFERENCE_OBJECTIVES, "grpo": GRPOObjective}
 
 
 def objective_class(name: str) -> type[Objective]:
@@ -31,5 +39,5 @@ def objective_for(cfg, log=print) -> Objective:
     return objective_class(cfg.objective.name)(cfg, log)
 
 
-__all__ = ["MicroLoss", "OBJECTIVES", "Objective", "SFTObjective", "objective_class",
+__all__ = ["GRPOObjective", "MicroLoss", "OBJECTIVES", "Objective", "SFTObjective", "objective_class",
            "objective_for"]

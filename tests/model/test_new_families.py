@@ -195,11 +195,12 @@ def test_an_unknown_norm_keeps_a_layer_off_the_fused_path(tmp_path):
 
     save_checkpoint("llama", tmp_path, seed=3)
     model = leantune.load_model(tmp_path, device="cpu")
+    leantune.apply_lora(model, leantune.LoRAConfig(r=2), seed=0)  # (freezes the base)
     layer = model.layers[0]
     engine = Engine()
     assert fused_unsupported(layer) is None
     assert isinstance(engine.executor(layer, LayerPlan()), FusedExecutor)
-    layer.extra_layernorm = RMSNorm(model.config.hidden_size, 1e-6)
+    layer.extra_layernorm = RMSNorm(model.config.hidden_size, 1e-6).requires_grad_(False)
     why = engine.fused_unsupported(model)
     assert why == "layer part 'extra_layernorm', which the fused executor does not run"
     assert isinstance(engine.executor(layer, LayerPlan()), CheckpointExecutor)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import max_abs, one_torch_thread, randomize_  # noqa: F401  (autouse)
+from helpers import max_abs, one_torch_thread, randomize_, save_random_adapter  # noqa: F401
 
 import leantune
 from leantune.engine.executor import fused_unsupported, structure_unsupported
@@ -204,3 +204,78 @@ def test_an_unknown_norm_keeps_a_layer_off_the_fused_path(tmp_path):
     why = engine.fused_unsupported(model)
     assert why == "layer part 'extra_layernorm', which the fused executor does not run"
     assert isinstance(engine.executor(layer, LayerPlan()), CheckpointExecutor)
+
+
+# --- adapters and exports ------------------------------------------------------------------------
+
+def _hf_cls(name):
+    from transformers import AutoModelForCausalLM, Gemma3ForConditionalGeneration
+
+    return Gemma3ForConditionalGeneration if name == "gemma3_mm" else AutoModelForCausalLM
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3_text", "phi3", "gemma3_mm"])
+def test_adapter_loads_in_peft_and_merged_export_in_transformers(checkpoints, name, tmp_path):
+    """Our adapter loads with PEFT onto the transformers model (Phi-3: as PEFT's fused
+    qkv_proj / gate_up_proj), and the merged export loads in transformers (Gemma 3 multimodal:
+    as Gemma3ForConditionalGeneration, its vision tower bit-identical), same logits."""
+    import json
+
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from leantune.export.merge import export_merged
+
+    folder, _, _ = checkpoints[name]
+    ours = save_random_adapter(folder, tmp_path / "adapter", seed=5, r=3, alpha=6)
+    ids = torch.randint(0, 98, (2, 11), generator=torch.Generator().manual_seed(4))
+    want = _logits(ours, ids)
+    cls = _hf_cls(name)
+    base = cls.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32).eval()
+    peft = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    assert max_abs(_logits(peft, ids), want) < TOL
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    if name == "phi3":
+        assert set(config["target_modules"]) == {"qkv_proj", "o_proj", "gate_up_proj",
+                                                 "down_proj"}
+    back = leantune.load_model(folder, device="cpu")
+    leantune.load_adapter(back, tmp_path / "adapter")
+    assert max_abs(_logits(back.eval(), ids), want) < TOL
+    export_merged(folder, tmp_path / "adapter", tmp_path / "merged", log=lambda *a: None)
+    merged = cls.from_pretrained(tmp_path / "merged", attn_implementation="eager",
+                                 dtype=torch.float32).eval()
+    assert type(merged).__name__ == type(base).__name__
+    assert max_abs(_logits(merged, ids), want) < TOL
+    if name == "gemma3_mm":
+        src, out = ({k: v for f in sorted(d.glob("*.safetensors")) for k, v in
+                     load_file(f).items()} for d in (folder, tmp_path / "merged"))
+        vision = [k for k in src if "vision_tower" in k or "multi_modal_projector" in k]
+        assert vision and all(torch.equal(src[k], out[k]) for k in vision)
+
+
+def test_a_peft_trained_phi3_adapter_loads_exactly(checkpoints, tmp_path):
+    """PEFT's own rank-r qkv_proj / gate_up_proj LoRA (one A shared by q, k, v) loads onto our
+    separate projections exactly, and merges."""
+    from peft import LoraConfig, get_peft_model
+
+    from leantune.export.merge import export_merged
+
+    folder, _, _ = checkpoints["phi3"]
+    hf = _hf_cls("phi3").from_pretrained(folder, attn_implementation="eager",
+                                         dtype=torch.float32)
+    pm = get_peft_model(hf, LoraConfig(r=4, lora_alpha=8, target_modules=[
+        "qkv_proj", "o_proj", "gate_up_proj", "down_proj"]))
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(2)
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    pm.save_pretrained(tmp_path / "peft")
+    ids = torch.randint(0, 98, (1, 9), generator=torch.Generator().manual_seed(1))
+    want = _logits(pm.eval(), ids)
+    ours = leantune.load_model(folder, device="cpu")
+    leantune.load_adapter(ours, tmp_path / "peft")
+    assert max_abs(_logits(ours.eval(), ids), want) < TOL
+    export_merged(folder, tmp_path / "peft", tmp_path / "merged", log=lambda *a: None)
+    merged = _hf_cls("phi3").from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    assert max_abs(_logits(merged, ids), want) < TOL

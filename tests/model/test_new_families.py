@@ -175,11 +175,12 @@ def test_registry_covers_every_family():
 
 
 def test_fused_path_refuses_parts_it_does_not_run(checkpoints):
-    """A Gemma layer (norms on the attention and MLP outputs) and a Llama-shaped layer given an
-    unknown norm both stay off the fused path, with one line saying why."""
+    """Gemma 2 (soft-capped attention) and Phi-3 with partial rotary stay off the fused path,
+    with one line saying why; Gemma 3's layers (output norms, q/k norms) take it."""
     _, _, gemma = checkpoints["gemma2"]
-    why = fused_unsupported(gemma.layers[0])
-    assert why and "\n" not in why and "norm" in why
+    assert fused_unsupported(gemma.layers[0]) == "attention soft-capping"
+    _, _, gemma3 = checkpoints["gemma3_text"]
+    assert structure_unsupported(gemma3.layers[0]) is None
     _, _, phi = checkpoints["phi3"]
     assert structure_unsupported(phi.layers[0]) == "partial rotary"
 

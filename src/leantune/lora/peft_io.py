@@ -243,6 +243,29 @@ def peft_config_dict(cfg: LoRAConfig, base_model_name: str | None, modules: list
     }
 
 
+def adapter_config(model, base_model_name: str | None = None) -> dict:
+    """adapter_config.json of the LoRA attached to `model` (PEFT's LoraConfig fields): the
+    projections adapted as target_modules; a family with fused checkpoint tensors (Phi-3) names
+    those (qkv_proj, gate_up_proj), whose LoRA `adapter_state_dict` writes at the parts' ranks
+    together (rank_pattern, with alpha_pattern keeping the update's scale)."""
+    cfg = model.lora_config
+    modules = {name.rsplit(".", 1)[-1] for name, layer in lora_layers(model) if layer.has_lora}
+    d = peft_config_dict(cfg, base_model_name, [t for t in ALL_TARGETS if t in modules])
+    fused = model.config.family.fused
+    if fused:  # PEFT's names: qkv_proj and gate_up_proj, at the parts' ranks together
+        ranks, alphas, names = {}, {}, list(d["target_modules"])
+        for theirs, ours in fused.items():
+            parts = [o.rsplit(".", 1)[-1] for o in ours]
+            if any(p in names for p in parts):
+                short = theirs.rsplit(".", 1)[-1]
+                names = [n for n in names if n not in parts] + [short]
+                R = cfg.r * len(parts)
+                ranks[short] = R  # the same update scale: alpha / r (rsLoRA alpha / sqrt r)
+                alphas[short] = cfg.alpha * (R / cfg.r) ** (0.5 if cfg.use_rslora else 1.0)
+        d.update(target_modules=names, rank_pattern=ranks, alpha_pattern=alphas)
+    return d
+
+
 def save_adapter(model, out_dir: str | os.PathLike, base_model_name: str | None = None,
                  write: bool = True) -> None:
     """Write adapter_model.safetensors and adapter_config.json atomically into out_dir. Under
@@ -269,21 +292,7 @@ def save_adapter(model, out_dir: str | os.PathLike, base_model_name: str | None 
     data = _sorted_metadata(save(tensors, metadata=metadata))
     with atomic_path(out / ADAPTER_WEIGHTS) as tmp:
         tmp.write_bytes(data)
-    modules = {name.rsplit(".", 1)[-1] for name, layer in lora_layers(model) if layer.has_lora}
-    d = peft_config_dict(cfg, base_model_name, [t for t in ALL_TARGETS if t in modules])
-    fused = model.config.family.fused
-    if fused:  # PEFT's names: qkv_proj and gate_up_proj, at the parts' ranks together
-        ranks, alphas, names = {}, {}, list(d["target_modules"])
-        for theirs, ours in fused.items():
-            parts = [o.rsplit(".", 1)[-1] for o in ours]
-            if any(p in names for p in parts):
-                short = theirs.rsplit(".", 1)[-1]
-                names = [n for n in names if n not in parts] + [short]
-                R = cfg.r * len(parts)
-                ranks[short] = R  # the same update scale: alpha / r (rsLoRA alpha / sqrt r)
-                alphas[short] = cfg.alpha * (R / cfg.r) ** (0.5 if cfg.use_rslora else 1.0)
-        d.update(target_modules=names, rank_pattern=ranks, alpha_pattern=alphas)
-    atomic_write_json(out / ADAPTER_CONFIG, d)
+    atomic_write_json(out / ADAPTER_CONFIG, adapter_config(model, base_model_name))
 
 
 def _sorted_metadata(raw: bytes) -> bytes:

@@ -164,3 +164,19 @@ def read_piece_into(dest: torch.Tensor, piece: Piece, handle, scales_handle=None
     for e in range(piece.shape[0]):
         values = dequantize_mxfp4(blocks[e], scales[e])  # [out, in]
         dest[e].copy_(values.t())
+
+
+def fused_state(model) -> dict[str, torch.Tensor]:
+    """The model's base weights (no LoRA) under the checkpoint's names where its family fuses
+    projections (Phi-3: q/k/v rows concatenated into qkv_proj, gate/up into gate_up_proj), for
+    handing them to the transformers model (the benchmarks' baseline); other tensors as they
+    are (shared, not copied)."""
+    state = {k: v for k, v in model.state_dict().items() if "lora_" not in k}
+    fused = model.config.family.fused
+    for key in list(state):
+        m = _LAYER_MODULE.fullmatch(key)
+        for theirs, ours in fused.items():
+            if m and m[2] == ours[0]:
+                parts = [f"{m[1]}.{o}.weight" for o in ours]
+                state[f"{m[1]}.{theirs}.weight"] = torch.cat([state.pop(p) for p in parts])
+    return state

@@ -280,3 +280,39 @@ def test_a_peft_trained_phi3_adapter_loads_exactly(checkpoints, tmp_path):
     export_merged(folder, tmp_path / "peft", tmp_path / "merged", log=lambda *a: None)
     merged = _hf_cls("phi3").from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
     assert max_abs(_logits(merged, ids), want) < TOL
+
+
+# --- QLoRA ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3_mm", "phi3"])
+def test_load_in_4bit(checkpoints, name):
+    """--load-in-4bit quantises every decoder projection as it reads it (Phi-3: the rows of its
+    fused qkv_proj / gate_up_proj; Gemma 3 multimodal: under its prefix): the same 4-bit model
+    as quantising the loaded 16-bit one."""
+    from leantune.model.loader import load_model, nf4_projections, quantize_nf4_
+
+    folder, _, dense = checkpoints[name]
+    model = load_model(folder, device="cpu", load_in_4bit=True)
+    assert len(dict(nf4_projections(model))) == 7 * model.config.num_hidden_layers
+    ref = quantize_nf4_(load_model(folder, device="cpu"))
+    ids = torch.randint(0, 98, (1, 9), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(_logits(model, ids), _logits(ref, ids))
+    assert max_abs(_logits(model, ids), _logits(dense, ids)) > 0  # (it is 4-bit)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3_mm"])
+def test_bnb_4bit_checkpoint(checkpoints, name, tmp_path):
+    """A bnb-4bit upload of these families (bitsandbytes' layout) loads without bitsandbytes:
+    the 4-bit weights of quantising on load."""
+    from helpers import save_bnb_checkpoint
+
+    from leantune.model.loader import load_model
+
+    folder, _, _ = checkpoints[name]
+    if not (folder / "model.safetensors").exists():
+        pytest.skip("sharded")
+    bnb = save_bnb_checkpoint(folder, tmp_path / "bnb")
+    ids = torch.randint(0, 98, (1, 9), generator=torch.Generator().manual_seed(0))
+    got = _logits(load_model(bnb, device="cpu"), ids)
+    want = _logits(load_model(folder, device="cpu", load_in_4bit=True), ids)
+    assert torch.equal(got, want)

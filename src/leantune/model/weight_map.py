@@ -66,7 +66,7 @@ def plan_weights(model_type: str, params: dict[str, tuple[int, ...]],
     the wrong shape or a parameter without pieces is a one-line LeantuneError."""
     plan, missing = {}, []
     fam = family(model_type)
-    fused = _fused_rows(fam, params)
+    fused = fused_rows(fam, params)
     for name, shape in params.items():
         key = next((k for k in fam.checkpoint_names(name) if k in shapes), None)
         if key is not None:
@@ -99,7 +99,7 @@ def plan_weights(model_type: str, params: dict[str, tuple[int, ...]],
     return plan
 
 
-def _fused_rows(fam, params: dict) -> dict[str, tuple[str, tuple[int, int], tuple]]:
+def fused_rows(fam, params: dict) -> dict[str, tuple[str, tuple[int, int], tuple]]:
     """{parameter: (checkpoint tensor, its rows [a, b), that tensor's shape)} for the
     parameters a family's fused checkpoint tensors hold (Family.fused)."""
     out = {}

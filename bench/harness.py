@@ -41,7 +41,9 @@ def hf_config(shape: str):
     theta = d.pop("rope_theta")
     cfg = AutoConfig.for_model(model_type, **d)
     # transformers 5 keeps rope settings in rope_parameters; 4.x in rope_scaling / rope_theta
-    if hasattr(cfg, "rope_parameters"):
+    if "full_attention" in (getattr(cfg, "rope_parameters", None) or {}):  # per layer type
+        cfg.rope_parameters["full_attention"].update(rope, rope_theta=theta)  # (Gemma 3)
+    elif hasattr(cfg, "rope_parameters"):
         cfg.rope_parameters = dict(rope, rope_theta=theta)
     else:
         cfg.rope_scaling = None if rope["rope_type"] == "default" else dict(rope)
@@ -79,8 +81,8 @@ def hf_peft_model(shape: str, base, device, gradient_checkpointing=True):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from leantune.lora.config import EXPERTS
-    from leantune.lora.peft_io import PREFIX, TARGET_PARAMETERS, adapted_tensors, parse_key, to_peft
+    from leantune.lora.peft_io import PREFIX, adapter_config, adapter_state_dict
+    from leantune.model.weight_map import fused_state
 
     cfg = hf_config(shape)
     cls = AutoModelForCausalLM._model_mapping[type(cfg)]
@@ -90,13 +92,16 @@ def hf_peft_model(shape: str, base, device, gradient_checkpointing=True):
                                               dtype=base.model.embed_tokens.weight.dtype)
     # .to(device): shares the tensors already there; a copy of a table leantune keeps in host
     # memory (the Trainer's offload_embedding), which HF reads on the GPU
-    state = {k: v.to(device) for k, v in base.state_dict().items() if "lora_" not in k}
+    state = {k: v.to(device) for k, v in fused_state(base).items()}  # (Phi-3: qkv_proj, ...)
     if cfg.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     hf.load_state_dict(state, assign=True, strict=False)
     # non-persistent buffers (rotary inv_freq) are still on meta: rebuild them on the device
     rotary = type(hf.model.rotary_emb)
     hf.model.rotary_emb = rotary(config=cfg).to(device)
+    for mod in hf.modules():  # and Gemma's embedding scale
+        if getattr(mod, "scalar_embed_scale", None) is not None:
+            mod.embed_scale = torch.tensor(mod.scalar_embed_scale, device=device)
     if cfg.tie_word_embeddings:
         hf.lm_head.weight = hf.model.embed_tokens.weight
     for n, b in hf.named_buffers():
@@ -106,25 +111,23 @@ def hf_peft_model(shape: str, base, device, gradient_checkpointing=True):
     hf.config.use_cache = False
     if gradient_checkpointing:
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    lcfg = base.lora_config
-    ours = adapted_tensors(base)  # {base tensor name: (A, B)}
-    # the projections leantune adapted (not every target asked for: a MoE model has no gate_proj)
-    modules = sorted({k.rsplit(".", 2)[-2] for k, (a, _) in ours.items() if a.dim() == 2})
+    # the adapter as leantune saves it for PEFT: PEFT's names (Phi-3: fused qkv_proj /
+    # gate_up_proj at the parts' ranks together), the projections leantune adapted (not every
+    # target asked for: a MoE model has no gate_proj), experts in PEFT's 2-D layout
+    d = adapter_config(base)
+    ours = adapter_state_dict(base)
     pm = get_peft_model(hf, LoraConfig(
-        r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=0.0, task_type="CAUSAL_LM",
-        target_modules=modules,
-        target_parameters=TARGET_PARAMETERS if EXPERTS in lcfg.targets else None))
+        r=d["r"], lora_alpha=d["lora_alpha"], lora_dropout=0.0, task_type="CAUSAL_LM",
+        target_modules=d["target_modules"], target_parameters=d["target_parameters"],
+        rank_pattern=d.get("rank_pattern") or {}, alpha_pattern=d.get("alpha_pattern") or {}))
     copied = 0
     with torch.no_grad():
         for name, mod in pm.named_modules():
             if isinstance(getattr(mod, "lora_A", None), torch.nn.ModuleDict):
-                key = PREFIX + name.replace(PREFIX, "", 1) + ".lora_A.weight"
-                a, b = ours[parse_key(key)[0]]
-                if a.dim() == 3:  # stacked experts: [E, r, in], [E, out, r] -> PEFT's 2-D
-                    a, b = to_peft(a, b)
-                mod.lora_A["default"].weight.copy_(a)
-                mod.lora_B["default"].weight.copy_(b)
-                copied += 1
+                key = PREFIX + name.replace(PREFIX, "", 1)
+                mod.lora_A["default"].weight.copy_(ours[key + ".lora_A.weight"])
+                mod.lora_B["default"].weight.copy_(ours[key + ".lora_B.weight"])
+                copied += 2
     assert copied == len(ours), (copied, len(ours))
     return pm
 

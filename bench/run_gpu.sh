@@ -5,6 +5,7 @@
 # Each part runs in its own process with a time limit, so one failure does not stop the rest;
 # the tables come last. Usage: bash bench/run_gpu.sh [parts...]   (default: checks speed loss)
 #   parts: checks kernels speed speed-llama speed-qwen3 memory loss loss-fp32
+#          speed-gemma speed-phi4 (issue 22's Gemma-3-4B text and Phi-4 shapes)
 #          moe (MoE checks, routing, end to end vs transformers + PEFT), moe-budget,
 #          qlora (8B with the bitsandbytes baseline: carry its wheel), dist (torchrun, 1 GPU)
 #          preference (issue 20's DPO step at the 8B shape, reference each step and precomputed,
@@ -33,6 +34,8 @@ for p in $parts; do
              speed llama-3.2-1b 120 auto@4
              speed llama-3.1-8b 150 auto@17 ;;
     speed-8b) speed llama-3.1-8b 150 auto@17 ;;
+    speed-gemma) speed gemma-3-4b 200 auto@10 recompute ;;  # issue 22: <= 10 GiB, >= 2.2x
+    speed-phi4)  speed phi-4 240 auto@31 ;;                 # issue 22: <= 31 GiB, >= 2.2x
     preference) timeout 330 python bench/gpu_preference.py --precompute-reference 2>&1 \
                | tee -a "$OUT/log.txt" | grep -v "^{" | grep -v -i warn | tail -n 12 ;;
     logprobs) timeout 150 python bench/gpu_token_logprobs.py 2>&1 | tee -a "$OUT/log.txt" \

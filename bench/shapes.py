@@ -1,10 +1,18 @@
-"""Model shapes for benchmarks: HF config dicts of public Llama, Qwen3 and mixture-of-experts
-models (Qwen3-MoE, gpt-oss, Mixtral; random init, no download)."""
+"""Model shapes for benchmarks: HF config dicts of public Llama, Qwen3, Gemma 3 (text), Phi-4 and
+mixture-of-experts models (Qwen3-MoE, gpt-oss, Mixtral; random init, no download)."""
 
 GPT_OSS_YARN = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                 "truncate": False, "original_max_position_embeddings": 4096}
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+GEMMA3_TEXT = dict(model_type="gemma3_text", vocab_size=262208, head_dim=256,
+                   query_pre_attn_scalar=256, sliding_window=1024, sliding_window_pattern=6,
+                   rms_norm_eps=1e-6, rope_theta=1000000.0,
+                   rope_scaling={"rope_type": "linear", "factor": 8.0},
+                   max_position_embeddings=131072, tie_word_embeddings=True,
+                   hidden_activation="gelu_pytorch_tanh", pad_token_id=0, bos_token_id=2,
+                   eos_token_id=[1, 106])
 
 SHAPES = {
     "llama-3.2-1b": dict(model_type="llama", vocab_size=128256, hidden_size=2048,
@@ -59,6 +67,17 @@ SHAPES = {
                             rope_theta=1000000.0, rope_scaling=None,
                             max_position_embeddings=32768, tie_word_embeddings=False,
                             bos_token_id=1, eos_token_id=2),
+    # Gemma 3's language models (text: 5 sliding layers of window 1024, then 1 full; the full
+    # layers' RoPE 1M with linear scaling 8, the sliding layers' 10k) and Phi-4
+    "gemma-3-4b": dict(GEMMA3_TEXT, hidden_size=2560, intermediate_size=10240,
+                       num_hidden_layers=34, num_attention_heads=8, num_key_value_heads=4),
+    "gemma-3-12b": dict(GEMMA3_TEXT, hidden_size=3840, intermediate_size=15360,
+                        num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8),
+    "phi-4": dict(model_type="phi3", vocab_size=100352, hidden_size=5120, intermediate_size=17920,
+                  num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=10,
+                  rms_norm_eps=1e-5, rope_theta=250000.0, rope_scaling=None,
+                  max_position_embeddings=16384, sliding_window=None, tie_word_embeddings=False,
+                  bos_token_id=100257, eos_token_id=100265, pad_token_id=100349),
     # CPU-sized shapes for dry runs of the harness
     "tiny-qwen3": dict(model_type="qwen3", vocab_size=1000, hidden_size=64, intermediate_size=160,
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -86,6 +105,16 @@ SHAPES = {
                          rope_scaling=dict(GPT_OSS_YARN, original_max_position_embeddings=64),
                          max_position_embeddings=4096, tie_word_embeddings=False,
                          pad_token_id=0, eos_token_id=2),
+    "tiny-gemma3": dict(GEMMA3_TEXT, vocab_size=1000, hidden_size=64, intermediate_size=160,
+                        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+                        sliding_window_pattern=3, max_position_embeddings=4096,
+                        pad_token_id=0, bos_token_id=2, eos_token_id=1),
+    "tiny-phi3": dict(model_type="phi3", vocab_size=1000, hidden_size=64, intermediate_size=160,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      rms_norm_eps=1e-5, rope_theta=250000.0, rope_scaling=None,
+                      max_position_embeddings=4096, sliding_window=None,
+                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0),
     "tiny-mixtral": dict(model_type="mixtral", vocab_size=1000, hidden_size=64,
                          intermediate_size=96, num_local_experts=4, num_experts_per_tok=2,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -7,6 +7,7 @@ Baseline: transformers + PEFT, SDPA, non-reentrant gradient checkpointing, loss 
 model(input_ids, labels=...).
 
     python bench/speed.py --shape llama-3.2-1b llama-3.1-8b --policies recompute keep
+    python bench/speed.py --tiny   # the same code on the CPU in seconds (tiny-* shapes, fp32)
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -21,6 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from harness import (H200_BF16_FLOPS, cuda_time, flops_per_token, hf_peft_model,  # noqa: E402
                      leantune_model, median, record, trainable)
+
+TINY_SHAPES = ["tiny", "tiny-gemma3", "tiny-phi3"]
 
 from leantune.batch import IGNORE_INDEX, PackedBatch  # noqa: E402
 from leantune.train.config import TrainConfig  # noqa: E402
@@ -39,7 +43,7 @@ def make_trainer(shape, batch, policy, steps, device, lora_targets="q,k,v,o,gate
     "offload:N[k0]" (hand plan), optionally "+compile", "+nofused" (autograd layers instead of
     the hand-written backward), "+noembed" (input embedding kept on the GPU), "+keepall:M"
     (the last M layers keep everything, on top of the plan)."""
-    base = leantune_model(shape, device)
+    base = leantune_model(shape, device, dtype=_dtype(device))
     ckpt, *extras = policy.split("+")
     ckpt, _, budget = ckpt.partition("@")
     ckpt, _, n_off = ckpt.partition(":")  # "offload:N[k0]": the first N layers offloaded
@@ -72,25 +76,44 @@ def make_trainer(shape, batch, policy, steps, device, lora_targets="q,k,v,o,gate
     return trainer
 
 
+def _dtype(device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32  # (--tiny: fp32 on the CPU)
+
+
+def _timed(fn, warmup, steps, device) -> tuple[list[float], float]:
+    """Step times and peak GiB (0 on the CPU, where there is no peak counter)."""
+    if device.type != "cuda":
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return times, 0.0
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = cuda_time(fn, warmup, steps)
+    return times, torch.cuda.max_memory_allocated() / 2**30
+
+
 def bench_ours(shape, batch, policy, warmup, steps, device):
     """Median step time and peak GiB of leantune's step under `policy` (make_trainer)."""
     trainer = make_trainer(shape, batch, policy, steps, device)
     gpu_batch = batch.to(device)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    times = cuda_time(lambda: trainer.train_step([gpu_batch]), warmup, steps)
-    peak = torch.cuda.max_memory_allocated() / 2**30
+    times, peak = _timed(lambda: trainer.train_step([gpu_batch]), warmup, steps, device)
     plan = trainer.activation_policy
     print(f"{shape} {policy}: {plan}", flush=True)
     del trainer
-    torch.cuda.empty_cache()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return median(times), peak, plan
 
 
 def bench_hf(shape, batch, warmup, steps, device):
     from leantune.lora import LoRAConfig, apply_lora
 
-    base = leantune_model(shape, device)
+    base = leantune_model(shape, device, dtype=_dtype(device))
     apply_lora(base, LoRAConfig(r=16, alpha=16), dtype=torch.float32)
     pm = hf_peft_model(shape, base, device, gradient_checkpointing=True)
     pm.train()
@@ -105,11 +128,9 @@ def bench_hf(shape, batch, warmup, steps, device):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    times = cuda_time(step, warmup, steps)
-    peak = torch.cuda.max_memory_allocated() / 2**30
-    torch.cuda.empty_cache()
+    times, peak = _timed(step, warmup, steps, device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return median(times), peak
 
 
@@ -127,8 +148,17 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--tiny", action="store_true",
+                    help="CPU dry run of the same code: tiny shapes of every dense family "
+                         f"(default {' '.join(TINY_SHAPES)}), 2 rows x 64 tokens, fp32")
     args = ap.parse_args()
     device = torch.device("cuda")
+    if args.tiny:
+        device = torch.device("cpu")
+        if args.shape == ap.get_default("shape"):
+            args.shape = TINY_SHAPES
+        args.rows, args.seq, args.warmup, args.steps = 2, 64, 1, 2
+    table = []
     from harness import hf_config
     from leantune.model.config import ModelConfig
 
@@ -156,6 +186,12 @@ def main():
             record("speed", shape=shape, impl="leantune", policy=policy, plan=plan, tok_s=tok_s,
                    step_s=t, peak_gib=peak, mfu=fpt * tok_s / H200_BF16_FLOPS,
                    ratio=(tok_s / hf) if hf else None)
+            table.append((shape, policy, hf, tok_s, peak))
+    print(f"{'shape':<16} {'policy':<12} {'hf+peft tok/s':>14} {'leantune tok/s':>15} "
+          f"{'ratio':>6} {'peak GiB':>9}")
+    for shape, policy, hf, tok_s, peak in table:
+        ratio = f"{tok_s / hf:6.2f}" if hf else "     -"
+        print(f"{shape:<16} {policy:<12} {hf or 0:14.0f} {tok_s:15.0f} {ratio} {peak:9.2f}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ recompute and offloaded activations for LoRA training): forward runs without bui
 and keeps only what the layer's `LayerPlan` asks for; backward recomputes the rest and
 back-propagates by hand through our kernels (RMSNorm, q/k norm + RoPE, GLU), cuBLAS and flash
 or cuDNN attention. Per layer, with x: [N, H] (N = B*T tokens),
-h_mid = x + attn(norm1(x)), out = h_mid + mlp(norm2(h_mid)), the keep levels (`Keep`):
+h_mid = x + attn(norm1(x)), out = h_mid + mlp(norm2(h_mid)) (Gemma: the attention's and the
+MLP's outputs normed too, their inputs rebuilt in backward for those norms), the keep levels
+(`Keep`):
 
     INPUT       x                                    backward recomputes norm1, q/k/v, q/k
                                                      norm and RoPE, attention, o, norm2, gate/up
@@ -121,7 +123,7 @@ def _autocast_on() -> bool:
 # The parts of a layer the fused path runs: its modules by role, and the attention's own parts
 # (a part not listed here, e.g. a norm a new family adds, keeps the layer off the fused path)
 FUSED_ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
-FUSED_NORM_ROLES = ("attn_in", "mlp_in")
+FUSED_NORM_ROLES = ("attn_in", "attn_out", "mlp_in", "mlp_out")
 
 
 def structure_unsupported(layer) -> str | None:
@@ -131,9 +133,6 @@ def structure_unsupported(layer) -> str | None:
     not do (attention-out / MLP-out norms, soft-capping, partial rotary)."""
     roles = layer.norm_roles
     known = {getattr(roles, r) for r in FUSED_NORM_ROLES} | {"self_attn", "mlp"}
-    for role in ("attn_out", "mlp_out"):
-        if getattr(roles, role) is not None:
-            return f"a {role.replace('_', '-')} norm ({getattr(roles, role)})"
     for name, _ in layer.named_children():
         if name not in known:
             return f"layer part {name!r}, which the fused executor does not run"
@@ -141,6 +140,8 @@ def structure_unsupported(layer) -> str | None:
     for name, _ in at.named_children():
         if name not in FUSED_ATTENTION_PARTS:
             return f"attention part {name!r}, which the fused executor does not run"
+    if isinstance(layer.mlp, MoEBlock) and (roles.attn_out or roles.mlp_out):
+        return "a mixture-of-experts layer with output norms"
     if getattr(at, "softcap", None):
         return "attention soft-capping"
     if getattr(at, "rotary_dim", None) is not None:
@@ -339,6 +340,28 @@ class _LayerRun:
                                                 for_backward, sinks=at.sinks)
         return X1, rstd1, qkv, (q4, k4, v4), out4, state
 
+    def _o_residual(self, attn2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+        """h_mid = x + o(attn), or x + attn_out(o(attn)) with an attention-out norm (Gemma)."""
+        norm = self.layer.norm("attn_out")
+        if norm is None:
+            return self.o.project(attn2, resid=x2)
+        y, _ = rms_norm_fwd(self.o.project(attn2), norm.weight, norm.eps, norm.offset)
+        return y.add_(x2)
+
+    def _through_out_norm(self, role: str, y: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+        """d y from d norm(y) for the "out" norm of `role` (rstd recomputed from y)."""
+        norm = self.layer.norm(role)
+        _, rstd = rms_norm_fwd(y, norm.weight, norm.eps, norm.offset)
+        return rms_norm_bwd(dy.contiguous(), y, norm.weight, rstd, norm.offset)
+
+    def _down_out(self, gu: torch.Tensor) -> torch.Tensor:
+        """The down projection's output [n, H] for gate | up `gu` (its input rebuilt)."""
+        inter = self.layer.mlp.up_proj.out_features
+        Hb = self.down.new_input(gu.shape[0], gu)
+        glu_fwd(gu[:, :inter], gu[:, inter:], self.act, out=Hb[:, :inter])
+        self.down.fill_lora(Hb)
+        return self.down.project(Hb)
+
     def _chunks(self, n: int, whole: bool, itemsize: int = 2, forward: bool = False):
         """Row slices for the MLP: equal parts, multiples of 256 rows (whole GEMM tiles)."""
         if n == 0:
@@ -368,7 +391,7 @@ class _LayerRun:
         xa_qkv = None if xa_qkv is None else xa_qkv.contiguous()
         del X1  # the q/k/v input buffer: not needed past attention
         attn2 = out4.reshape(B * T, -1)  # [N, Hq * D] (a copy only if attention returned a view)
-        h_mid = self.o.project(attn2, resid=x2)
+        h_mid = self._o_residual(attn2, x2)
         del out4
         if not keeps_state:  # q/k/v and attention's output are done with: free them before
             del qkv, attn2, state  # the MLP runs
@@ -405,7 +428,13 @@ class _LayerRun:
             self.down.fill_lora(Hb)
             if xa_down is not None:
                 xa_down[rows] = self.down.lora_cols(Hb)
-            self.down.project(Hb, resid=h_mid[rows], out=out[rows])
+            out_norm = self.layer.norm("mlp_out")
+            if out_norm is None:
+                self.down.project(Hb, resid=h_mid[rows], out=out[rows])
+            else:  # h_mid + mlp_out(down(...)) (Gemma)
+                rms_norm_fwd(self.down.project(Hb), out_norm.weight, out_norm.eps,
+                             out_norm.offset, out=out[rows])
+                out[rows] += h_mid[rows]
             del Hb
         if not self.in_graph:
             return {}
@@ -436,7 +465,7 @@ class _LayerRun:
         # not when the whole layer is released: the rest of the layer runs in less memory.
         if keep == Keep.INPUT:
             X1, rstd1, qkv, (q4, k4, v4), out4, state = self._attention(x2, self.shape, True)
-            h_mid = self.o.project(out4.reshape(N, -1), resid=x2)
+            h_mid = self._o_residual(out4.reshape(N, -1), x2)
         else:
             X1, rstd1 = self._normed(self.layer.norm("attn_in"), x2, self.qkv, kept.xa_qkv)
             qkv, h_mid, state = kept.qkv, kept.h_mid, kept.attn_state
@@ -448,7 +477,11 @@ class _LayerRun:
         del h_mid
 
         # attention: h_mid = x + o(attn(rope(qk_norm(q, k)), v))
-        dattn = self.o.backward(out4.reshape(N, -1), [dh_mid], grads)
+        do = dh_mid
+        if self.layer.norm("attn_out") is not None:  # through the attention-out norm
+            do = self._through_out_norm("attn_out", self.o.project(out4.reshape(N, -1)), do)
+        dattn = self.o.backward(out4.reshape(N, -1), [do], grads)
+        del do
         # (with attention sinks, frozen, their gradient comes fourth and is dropped)
         dq, dk, dv = self.ex.attention.backward(dattn.view(out4.shape), q4, k4, v4, out4, state,
                                                 self.meta, at.window, at.scale,
@@ -497,11 +530,15 @@ class _LayerRun:
         for rows in self._chunks(N, keep >= Keep.ALL, dout.element_size()):
             gu = kept_gu if keep >= Keep.ALL else self.gu.project(X2[rows])
             kept_gu = None
-            da, ga = self.down.input_grad(dout[rows])
+            ddown = dout[rows]  # the down projection's output gradient
+            if self.layer.norm("mlp_out") is not None:  # through the MLP-out norm
+                ddown = self._through_out_norm("mlp_out", self._down_out(gu), ddown)
+            da, ga = self.down.input_grad(ddown)
             # gate, up <- d gate, d up in place; da <- act(gate) * up, the down projection's input
             glu_bwd_(da, gu[:, :inter], gu[:, inter:], self.act, h_out=da)
-            self.down.lora_grads(da, dout[rows], ga, grads,
+            self.down.lora_grads(da, ddown, ga, grads,
                                  None if xa_down is None else xa_down[rows])
+            del ddown
             del da, ga
             self.gu.backward(X2[rows], gu, grads, out=dxn2[rows])
             del gu

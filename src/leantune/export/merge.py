@@ -151,6 +151,15 @@ class MergedWeights:
         params = {n: tuple(p.shape) for n, p in base.named_parameters()}
         for key, (a, b) in self.deltas.items():
             self._check_delta(key, a, b, headers.shapes, params)
+        # deltas of parameters stored under another name (Gemma 3 multimodal's
+        # model.language_model.) or as rows of a fused tensor (Phi-3's qkv_proj, gate_up_proj):
+        # checkpoint key -> [(rows or None, the delta's name)]
+        self.routed: dict[str, list] = {}
+        for name in self.deltas:
+            pieces = self.plan.get(name) or []
+            if len(pieces) == 1 and pieces[0].expert is None and pieces[0].scales is None \
+                    and (pieces[0].key != name or pieces[0].fused_rows):
+                self.routed.setdefault(pieces[0].key, []).append((pieces[0].fused_rows, name))
         # MXFP4 expert weights, written dense under the parameter's name when any has LoRA
         mxfp4 = {piece.key: name for name, pieces in self.plan.items() for piece in pieces
                  if piece.scales}
@@ -187,12 +196,13 @@ class MergedWeights:
                                     f"{tuple(b.shape)} do not fit the experts {params[key]}; "
                                     "is it the adapter of another model?")
             return
-        if key not in shapes:
+        want = shapes.get(key, params.get(key))  # (a parameter stored under another name)
+        if want is None:
             raise unmatched(where, key)
-        if a.dim() != 2 or b.dim() != 2 or (b.shape[0], a.shape[1]) != shapes[key] \
+        if a.dim() != 2 or b.dim() != 2 or (b.shape[0], a.shape[1]) != want \
                 or a.shape[0] != b.shape[1]:
             raise LeantuneError(f"{where}: {key}: lora_A {tuple(a.shape)} and lora_B "
-                                f"{tuple(b.shape)} do not fit the base weight {shapes[key]}; "
+                                f"{tuple(b.shape)} do not fit the base weight {want}; "
                                 "is it the adapter of another model?")
 
     def _merge_onto(self, onto: Path, model, base: "Headers"):
@@ -281,6 +291,13 @@ class MergedWeights:
                 delta = self._expert_delta(name, piece.expert)
                 delta = delta if piece.rows is None else delta[piece.rows[0]:piece.rows[1]]
             return (t.float() + delta).to(dtype or t.dtype)
+        if key in self.routed:
+            merged = t.float()
+            for rows, name in self.routed[key]:
+                a, b = self.deltas[name]
+                part = merged if rows is None else merged[rows[0]:rows[1]]
+                part += (b.float() @ a.float()) * self.scaling
+            return merged.to(dtype or t.dtype)
         if key in self.deltas:
             a, b = self.deltas[key]
             return (t.float() + (b.float() @ a.float()) * self.scaling).to(dtype or t.dtype)

@@ -30,11 +30,15 @@ from .base_check import BASE_NAME_KEY, FINGERPRINT_KEY, model_fingerprint
 from .config import ALL_TARGETS, EXPERTS, LoRAConfig, apply_lora, expert_layers, lora_layers
 
 PREFIX = "base_model.model."
+FUSED_TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj",
+                                                                               "up_proj")}
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 EXPERT_PROJECTIONS = ("gate_up_proj", "down_proj")  # model/moe.py Experts, in registration order
 TARGET_PARAMETERS = [f"mlp.experts.{p}" for p in EXPERT_PROJECTIONS]
 _PEFT_EXPERTS = re.compile(r"(.*\.experts)((?:\.base_layer)*)")
+# a multimodal checkpoint's language model (Gemma 3), as PEFT on transformers 5 / 4 names it
+_LANGUAGE_MODEL = re.compile(r"^(?:model\.language_model\.|language_model\.model\.)")
 
 
 def parse_key(key: str) -> tuple[str, str, bool]:
@@ -48,6 +52,7 @@ def parse_key(key: str) -> tuple[str, str, bool]:
         model.layers.0.mlp.experts.lora_A.down_proj  -> model.layers.0.mlp.experts.down_proj
     PEFT's in-memory adapter name (".default.") is dropped."""
     name = key[len(PREFIX):] if key.startswith(PREFIX) else key
+    name = _LANGUAGE_MODEL.sub("model.", name)
     mod, _, which = name.replace(".default.", ".").rpartition(".lora_")
     ab = "A" if which.startswith("A") else "B"
     suffix = which[2:]  # "weight", or a projection of our stacked experts
@@ -128,14 +133,91 @@ def unmatched(where, base: str) -> LeantuneError:
 
 def adapter_state_dict(model) -> dict[str, torch.Tensor]:
     """PEFT-named LoRA tensors (contiguous, on the CPU; whole where FSDP2 shards them: a
-    collective, which every process calls)."""
-    out = {}
+    collective, which every process calls). A family whose checkpoint fuses projections (Phi-3's
+    qkv_proj, gate_up_proj) gets their LoRA fused as PEFT holds it (`fuse_pairs`); a multimodal
+    checkpoint's language model its prefix (Gemma 3: model.language_model.)."""
+    pairs = {}
     for base, (a, b) in adapted_tensors(model).items():
         a, b = full_tensor(a.detach()).cpu(), full_tensor(b.detach()).cpu()  # (FSDP2: whole)
         if a.dim() == 3:
             a, b = to_peft(a, b)
-        out[peft_name(base, "A")] = a.contiguous()
-        out[peft_name(base, "B")] = b.contiguous()
+        pairs[base] = (a, b)
+    fam = model.config.family
+    pairs = fuse_pairs(pairs, fam.fused)
+    out = {}
+    for base, (a, b) in pairs.items():
+        name = fam.checkpoint_names(base)[1] if fam.prefixes else base
+        out[peft_name(name, "A")] = a.contiguous()
+        out[peft_name(name, "B")] = b.contiguous()
+    return out
+
+
+_FUSED_LAYER = re.compile(r"(model\.layers\.\d+)\.(.+)\.weight")
+
+
+def fuse_pairs(pairs: dict, fused: dict) -> dict:
+    """{base: (A, B)} with the LoRA of the projections a checkpoint tensor fuses (Family.fused,
+    e.g. q/k/v -> qkv_proj) as one LoRA of that tensor: A = the parts' A stacked [sum r, in],
+    B block-diagonal [sum out, sum r] (zero rows for a part without LoRA); the same update."""
+    if not fused:
+        return pairs
+    out = dict(pairs)
+    layers = {m[1] for m in map(_FUSED_LAYER.fullmatch, pairs) if m}
+    for layer in sorted(layers):
+        for theirs, ours in fused.items():
+            names = [f"{layer}.{o}.weight" for o in ours]
+            present = [n for n in names if n in pairs]
+            if not present:
+                continue
+            like = pairs[present[0]]
+            outs = [pairs[n][1].shape[0] if n in pairs else None for n in names]
+            if None in outs:  # a part without LoRA: its rows come from the others' shapes
+                raise LeantuneError(f"{layer}: LoRA on {', '.join(ours)} must be all or none "
+                                    f"for the checkpoint's fused {theirs}; target them together")
+            A = torch.cat([pairs[n][0] for n in names])
+            B = like[1].new_zeros(sum(outs), A.shape[0])
+            r0 = c0 = 0
+            for n in names:
+                a, b = out.pop(n)
+                B[r0:r0 + b.shape[0], c0:c0 + a.shape[0]] = b
+                r0, c0 = r0 + b.shape[0], c0 + a.shape[0]
+            out[f"{layer}.{theirs}.weight"] = (A, B)
+    return out
+
+
+def split_fused_pairs(pairs: dict, fused: dict, params: dict, r: int, where) -> dict:
+    """`fuse_pairs`' inverse for an adapter read from disk: the LoRA of a fused checkpoint
+    tensor (base names) onto our parts of rank r each. A rank-r one (PEFT-trained) is exact as
+    each part's (A, its rows of B); one of rank n r (ours, written by fuse_pairs) as the diagonal
+    blocks, which must then be all of B. `params`: {our base name: (rows, in)}."""
+    if not fused:
+        return pairs
+    out = {}
+    for base, (a, b) in pairs.items():
+        m = _FUSED_LAYER.fullmatch(base)
+        ours = fused.get(m[2]) if m else None
+        if ours is None:
+            out[base] = (a, b)
+            continue
+        names = [f"{m[1]}.{o}.weight" for o in ours]
+        rows = [params[n][0] for n in names]
+        R = a.shape[0]
+        if b.shape[0] != sum(rows) or R not in (r, r * len(names)):
+            raise LeantuneError(f"{where}: {base}: lora_A {tuple(a.shape)} / lora_B "
+                                f"{tuple(b.shape)} do not fit {', '.join(ours)} at rank {r}")
+        r0 = 0
+        for j, (n, k) in enumerate(zip(names, rows)):
+            if R == r:
+                out[n] = (a, b[r0:r0 + k])
+            else:
+                block = b[r0:r0 + k]
+                diag = block[:, j * r:(j + 1) * r]
+                if torch.count_nonzero(block).item() != torch.count_nonzero(diag).item():
+                    raise LeantuneError(f"{where}: {base}: a rank-{R} LoRA that leantune's "
+                                        f"rank-{r} {', '.join(ours)} cannot hold; train it with "
+                                        "leantune, or merge it with PEFT")
+                out[n] = (a[j * r:(j + 1) * r], diag)
+            r0 += k
     return out
 
 
@@ -159,6 +241,29 @@ def peft_config_dict(cfg: LoRAConfig, base_model_name: str | None, modules: list
         "init_lora_weights": True,
         "modules_to_save": None,
     }
+
+
+def adapter_config(model, base_model_name: str | None = None) -> dict:
+    """adapter_config.json of the LoRA attached to `model` (PEFT's LoraConfig fields): the
+    projections adapted as target_modules; a family with fused checkpoint tensors (Phi-3) names
+    those (qkv_proj, gate_up_proj), whose LoRA `adapter_state_dict` writes at the parts' ranks
+    together (rank_pattern, with alpha_pattern keeping the update's scale)."""
+    cfg = model.lora_config
+    modules = {name.rsplit(".", 1)[-1] for name, layer in lora_layers(model) if layer.has_lora}
+    d = peft_config_dict(cfg, base_model_name, [t for t in ALL_TARGETS if t in modules])
+    fused = model.config.family.fused
+    if fused:  # PEFT's names: qkv_proj and gate_up_proj, at the parts' ranks together
+        ranks, alphas, names = {}, {}, list(d["target_modules"])
+        for theirs, ours in fused.items():
+            parts = [o.rsplit(".", 1)[-1] for o in ours]
+            if any(p in names for p in parts):
+                short = theirs.rsplit(".", 1)[-1]
+                names = [n for n in names if n not in parts] + [short]
+                R = cfg.r * len(parts)
+                ranks[short] = R  # the same update scale: alpha / r (rsLoRA alpha / sqrt r)
+                alphas[short] = cfg.alpha * (R / cfg.r) ** (0.5 if cfg.use_rslora else 1.0)
+        d.update(target_modules=names, rank_pattern=ranks, alpha_pattern=alphas)
+    return d
 
 
 def save_adapter(model, out_dir: str | os.PathLike, base_model_name: str | None = None,
@@ -187,9 +292,7 @@ def save_adapter(model, out_dir: str | os.PathLike, base_model_name: str | None 
     data = _sorted_metadata(save(tensors, metadata=metadata))
     with atomic_path(out / ADAPTER_WEIGHTS) as tmp:
         tmp.write_bytes(data)
-    modules = {name.rsplit(".", 1)[-1] for name, layer in lora_layers(model) if layer.has_lora}
-    atomic_write_json(out / ADAPTER_CONFIG, peft_config_dict(
-        cfg, base_model_name, [t for t in ALL_TARGETS if t in modules]))
+    atomic_write_json(out / ADAPTER_CONFIG, adapter_config(model, base_model_name))
 
 
 def _sorted_metadata(raw: bytes) -> bytes:
@@ -225,6 +328,8 @@ def read_adapter_config(adapter_dir: Path) -> LoRAConfig:
     targets = d.get("target_modules") or ([] if d.get("target_parameters") else ALL_TARGETS)
     if isinstance(targets, str):  # PEFT allows a regex string; we take the simple names in it
         targets = [t for t in ALL_TARGETS if t in targets]
+    # a fused checkpoint tensor's LoRA (Phi-3) is its parts'
+    targets = [p for t in targets for p in FUSED_TARGETS.get(t, (t,))]
     params = d.get("target_parameters") or []
     if params:
         projections = {p.rsplit(".", 1)[-1] for p in params}
@@ -269,6 +374,9 @@ def attach_adapter(model, cfg: LoRAConfig, path: Path) -> None:
                             "is truncated or corrupt") from None
     targets = adapted_tensors(model)
     pairs = lora_pairs(tensors, cfg.r, path)
+    pairs = split_fused_pairs(pairs, model.config.family.fused,
+                              {n: tuple(t[1].shape[:1]) + tuple(t[0].shape[1:])
+                               for n, t in targets.items()}, cfg.r, path)
     for base, pair in pairs.items():
         if base not in targets:
             raise unmatched(path, base)

@@ -86,6 +86,13 @@ class Family:
     gguf_arch: str | None = None
     gguf_permute_qk: bool = False
 
+    def our_name(self, key: str) -> str:
+        """The parameter name of checkpoint tensor `key` (checkpoint_names' inverse)."""
+        for ours, theirs in self.prefixes:
+            if key.startswith(theirs):
+                return ours + key[len(theirs):]
+        return key
+
     def checkpoint_names(self, name: str) -> list[str]:
         """The checkpoint names parameter `name` may have, most likely first."""
         out = [name]

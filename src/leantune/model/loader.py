@@ -32,7 +32,7 @@ from ..kernels.nf4 import NF4Weight, nf4_from_bnb_state, parse_bnb_state
 from ..lora.layer import LoRALinear
 from .config import ModelConfig
 from .transformer import CausalLM
-from .weight_map import plan_weights, read_piece_into
+from .weight_map import fused_rows, plan_weights, read_piece_into
 
 # What a hub download fetches. Weights: the files transformers loads (model.safetensors or the
 # shards of model.safetensors.index.json), not every *.safetensors: Mistral repos, for one, also
@@ -147,7 +147,10 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype | None = N
     cfg = ModelConfig.from_file(folder / "config.json")
     compute_dtype = bnb_compute_dtype(cfg, folder / "config.json")
     files = safetensors_files(folder)
-    states = bnb_quant_states(files)
+    fam = cfg.family
+    # (a multimodal checkpoint's 4-bit weights outside its language model are not read)
+    states = {fam.our_name(k): st for k, st in bnb_quant_states(files).items()
+              if not fam.prefixes or fam.our_name(k) != k}
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (compute_dtype if states else None) or default_dtype(device)
     nf4 = {name.removesuffix(".weight"): nf4_from_bnb_state(st, dtype, "meta")
@@ -335,7 +338,20 @@ def load_safetensors_into(model: CausalLM, files: list[Path],
     plan, file_of = plan_checkpoint(model, files, headers)
     params = dict(model.named_parameters())
     nf4 = {name + ".weight": m.nf4 for name, m in nf4_projections(model) if m.nf4 is not None}
-    keys = {w: [f"{w}.{p}".rstrip(".") for p in (q.bnb_parts() if w in prequantized else [""])]
+    fam = model.config.family
+    # a 4-bit weight's checkpoint name (Gemma 3 multimodal: prefixed), or for a 16-bit one
+    # quantised as it loads, the rows of a fused checkpoint tensor (Phi-3's qkv_proj) it is
+    fused = fused_rows(fam, {w: tuple(q.shape) for w, q in nf4.items()})
+    stored = {w: next((k for k in fam.checkpoint_names(w) if k in file_of), w) for w in nf4}
+    for w in nf4:
+        if w in fused and stored[w] not in file_of:
+            if w in prequantized or fused[w][0] not in file_of:
+                raise LeantuneError(f"{files[0].parent}: {fused[w][0]} is a 4-bit fused tensor "
+                                    "(or missing); leantune reads 4-bit Phi-3 checkpoints from "
+                                    "their 16-bit original with --load-in-4bit")
+            stored[w] = fused[w][0]
+    keys = {w: [f"{stored[w]}.{p}".rstrip(".")
+                for p in (q.bnb_parts() if w in prequantized else [""])]
             for w, q in nf4.items()}
     missing = sorted(k for ks in keys.values() for k in ks if k not in file_of)
     if missing:
@@ -370,11 +386,15 @@ def load_safetensors_into(model: CausalLM, files: list[Path],
         for w, q in nf4.items():
             for key in keys[w]:
                 try:
-                    t = handle(key).get_tensor(key)
+                    if key != w and w in fused and key == fused[w][0]:
+                        a, b = fused[w][1]
+                        t = handle(key).get_slice(key)[a:b]
+                    else:
+                        t = handle(key).get_tensor(key)
                 except Exception as e:
                     raise _unreadable(file_of[key], e) from None
                 if w in prequantized:
-                    q.load_bnb_(key[len(w):].lstrip("."), t, key)
+                    q.load_bnb_(key[len(stored[w]):].lstrip("."), t, key)
                 elif tuple(t.shape) != tuple(q.shape):
                     raise LeantuneError(f"{file_of[key]}: tensor {key} has shape "
                                         f"{tuple(t.shape)}, config.json implies {tuple(q.shape)}")

@@ -66,7 +66,7 @@ def plan_weights(model_type: str, params: dict[str, tuple[int, ...]],
     the wrong shape or a parameter without pieces is a one-line LeantuneError."""
     plan, missing = {}, []
     fam = family(model_type)
-    fused = _fused_rows(fam, params)
+    fused = fused_rows(fam, params)
     for name, shape in params.items():
         key = next((k for k in fam.checkpoint_names(name) if k in shapes), None)
         if key is not None:
@@ -99,7 +99,7 @@ def plan_weights(model_type: str, params: dict[str, tuple[int, ...]],
     return plan
 
 
-def _fused_rows(fam, params: dict) -> dict[str, tuple[str, tuple[int, int], tuple]]:
+def fused_rows(fam, params: dict) -> dict[str, tuple[str, tuple[int, int], tuple]]:
     """{parameter: (checkpoint tensor, its rows [a, b), that tensor's shape)} for the
     parameters a family's fused checkpoint tensors hold (Family.fused)."""
     out = {}
@@ -164,3 +164,19 @@ def read_piece_into(dest: torch.Tensor, piece: Piece, handle, scales_handle=None
     for e in range(piece.shape[0]):
         values = dequantize_mxfp4(blocks[e], scales[e])  # [out, in]
         dest[e].copy_(values.t())
+
+
+def fused_state(model) -> dict[str, torch.Tensor]:
+    """The model's base weights (no LoRA) under the checkpoint's names where its family fuses
+    projections (Phi-3: q/k/v rows concatenated into qkv_proj, gate/up into gate_up_proj), for
+    handing them to the transformers model (the benchmarks' baseline); other tensors as they
+    are (shared, not copied)."""
+    state = {k: v for k, v in model.state_dict().items() if "lora_" not in k}
+    fused = model.config.family.fused
+    for key in list(state):
+        m = _LAYER_MODULE.fullmatch(key)
+        for theirs, ours in fused.items():
+            if m and m[2] == ours[0]:
+                parts = [f"{m[1]}.{o}.weight" for o in ours]
+                state[f"{m[1]}.{theirs}.weight"] = torch.cat([state.pop(p) for p in parts])
+    return state

@@ -26,6 +26,8 @@ Rounding: x * (448 / amax) in fp32, clamped to +-448, then round-to-nearest-even
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -34,7 +36,34 @@ from .nf4 import FormatBuffers
 BLOCK = 128          # the block edge of weight scales, and the activation blocks' length
 FP8_MAX = 448.0      # the largest finite e4m3 value
 FP8_DTYPE = torch.float8_e4m3fn
-_QUANT_ROWS = 128 * 64  # weight rows quantised at a time (bounds the fp32 temporaries)
+_QUANT_ROWS = 128 * 8  # weight rows quantised at a time (bounds the fp32 temporaries)
+MIN_CAPABILITY = (8, 9)  # FP8 matrix units: Ada (sm_89), Hopper (sm_90), Blackwell
+
+
+def emulating() -> bool:
+    """LEANTUNE_FP8_EMULATE=1: the FP8 GEMMs run as the PyTorch emulation on any device (the
+    CPU reference path; slow, for tests and checks)."""
+    return os.environ.get("LEANTUNE_FP8_EMULATE", "") == "1"
+
+
+def fp8_unsupported(device: torch.device) -> str | None:
+    """Why FP8 GEMMs cannot run on `device` (None when they can, or when emulating)."""
+    if emulating():
+        return None
+    device = torch.device(device)
+    if device.type != "cuda":
+        return (f"{device.type}: no FP8 matrix units; FP8 runs on CUDA GPUs of compute "
+                "capability 8.9+ (Ada, Hopper, Blackwell), or emulated with "
+                "LEANTUNE_FP8_EMULATE=1 (slow); use --precision bf16")
+    cap = torch.cuda.get_device_capability(device)
+    if cap < MIN_CAPABILITY:
+        return (f"{torch.cuda.get_device_name(device)} (sm_{cap[0]}{cap[1]}) has no FP8 matrix "
+                "units (sm_89+: Ada, Hopper, Blackwell); use --precision bf16")
+    from .dispatch import HAS_TRITON
+
+    if not HAS_TRITON:
+        return "the FP8 GEMM is a Triton kernel and Triton does not import; pip install triton"
+    return None
 
 
 def block_quantize(x: torch.Tensor, rows_per_block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,7 +174,7 @@ def fp8_mm(x: torch.Tensor, w: FP8Weight, transpose: bool = False,
     GEMM) where the kernels run, else the emulation."""
     from .dispatch import use_triton
 
-    if use_triton(x):
+    if use_triton(x) and not emulating():
         from .fp8_gemm import fp8_gemm
 
         return fp8_gemm(x, w, transpose=transpose, out=out, resid=resid)
@@ -156,4 +185,4 @@ def fp8_mm(x: torch.Tensor, w: FP8Weight, transpose: bool = False,
 
 
 __all__ = ["BLOCK", "FP8Weight", "FP8_DTYPE", "FP8_MAX", "block_dequantize", "block_quantize", "block_scales",
-           "fake_quantize_rows", "fp8_mm", "fp8_mm_reference"]
+           "emulating", "fake_quantize_rows", "fp8_mm", "fp8_mm_reference", "fp8_unsupported"]

@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels.fp8 import FP8Weight, fp8_mm
+from ..errors import LeantuneError
+from ..kernels.fp8 import FP8Weight, fp8_mm, fp8_unsupported
 from ..kernels.nf4 import NF4Weight
 
 
@@ -159,17 +160,38 @@ def base_linear(x: torch.Tensor, base: BaseWeight) -> torch.Tensor:
 
 
 @torch.no_grad()
-def quantize_fp8_(model) -> "torch.nn.Module":
-    """Quantise a loaded model's decoder projections (those a 4-bit base quantises: q/k/v/o,
+def quantize_fp8_(model):
+    """Quantise a model's decoder projections (those a 4-bit base quantises: q/k/v/o,
     gate/up/down) to FP8 in place, one weight at a time (each 16-bit weight is freed as its
-    e4m3 copy is made). The loader does the same while reading (streaming)."""
+    e4m3 copy is made). On a model built on the meta device: empty FP8 bases (meta), so that
+    `to_empty` allocates e4m3 codes and scales, never the 16-bit weights, and the loader fills
+    them as it reads (streaming, as --load-in-4bit does)."""
     from ..model.loader import nf4_projections
 
     for _, mod in nf4_projections(model):
         if mod.quantized is None:
             w = mod.weight
-            mod.set_quantized_base(FP8Weight(w.shape, w.dtype, device=w.device).quantize_(w))
+            q = FP8Weight(tuple(w.shape), w.dtype, device=w.device)
+            mod.set_quantized_base(q if w.is_meta else q.quantize_(w))
     return model
 
 
-__all__ = ["BaseWeight", "DenseBase", "FP8Base", "NF4Base", "base_linear", "quantize_fp8_", "wrap"]
+def check_precision(precision: str, device: torch.device, prequantized: bool = False,
+                    sharded: bool = False) -> None:
+    """The one-line refusal of a --precision the run cannot take (fp8: on a device without FP8
+    matrix units unless emulating, on a 4-bit checkpoint, under FSDP2)."""
+    if precision != "fp8":
+        return
+    why = fp8_unsupported(device)
+    if why:
+        raise LeantuneError(f"--precision fp8: {why}")
+    if prequantized:
+        raise LeantuneError("--precision fp8 quantises a 16-bit checkpoint's projections as they "
+                            "load; this --model is 4-bit (bnb-4bit): use its 16-bit original, "
+                            "or drop --precision fp8 (QLoRA)")
+    if sharded:
+        raise LeantuneError("--precision fp8 with FSDP2 is not supported yet; use --parallel ddp")
+
+
+__all__ = ["BaseWeight", "DenseBase", "FP8Base", "NF4Base", "base_linear",
+           "check_precision", "quantize_fp8_", "wrap"]

@@ -114,6 +114,10 @@ def _train_parser(sub) -> None:
     a("--load-in-4bit", action="store_true", default=None,
       help="QLoRA: quantise the decoder's linear weights to NF4 while loading (a *-bnb-4bit "
            "checkpoint is 4-bit without it)")
+    a("--precision", choices=["bf16", "fp8"],
+      help="bf16 (default), or fp8: the frozen base's projections quantised to e4m3 (128 x 128 "
+           "block scales) while loading, their GEMMs in FP8 (GPUs of sm_89+; the adapter, "
+           "norms, attention and loss stay 16/32-bit)")
     a("--merge-at-end", action="store_true", default=None,
       help="LoRA: also write the base model with the adapter merged in to OUTPUT/merged")
     a("--train-on-inputs", action="store_true", default=None,

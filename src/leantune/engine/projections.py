@@ -115,9 +115,7 @@ class ProjectionGroup:
         x = X[:, :self.in_f]
         xa = x @ self.a.t() if self.a is not None else None
         if len(self.mods) == 1:
-            w = self.source.dense(0)
-            y = (torch.addmm(resid, x, w.t(), out=out) if resid is not None
-                 else torch.mm(x, w.t(), out=out))
+            y = self.source.mm(0, x, out=out, resid=resid)
             ys = [y]
         else:
             if resid is not None:
@@ -126,7 +124,7 @@ class ProjectionGroup:
                                                         dtype=x.dtype, device=x.device)
             ys = self.split(y)
             for i, yi in enumerate(ys):
-                torch.mm(x, self.source.dense(i).t(), out=yi)
+                self.source.mm(i, x, out=yi)
         for yi, m, bias, b, cols in zip(ys, self.mods, self.bias, self.b, self.cols):
             if bias is not None:
                 yi.add_(bias)
@@ -171,9 +169,9 @@ class ProjectionGroup:
                 # one GEMM, K = sum out
                 dx = torch.mm(dys, self.source.get()[:, :self.in_f], out=out)
             else:
-                dx = torch.mm(parts[0], self.source.dense(0), out=out)
+                dx = self.source.mm_t(0, parts[0], out=out)
                 for i, dy in enumerate(parts[1:], 1):
-                    dx.addmm_(dy, self.source.dense(i))
+                    self.source.mm_t(i, dy, out=dx, accumulate=True)
             if ga is not None:
                 dx.addmm_(ga, self.a)
         return dx, ga

@@ -21,12 +21,17 @@ columns (the Triton kernel writes the strided view directly) and writes s * B in
 columns, unless the buffer still holds them for this layer run. So no layer's 16-bit weight
 lives between its forward and its backward (which dequantises again, except in the last layer,
 whose weights are still in the buffers), and the GEMMs are those of the dense path.
+
+A group with an FP8 base (--precision fp8) runs unpacked (`FP8Source`): each projection's GEMMs
+are its base's FP8 GEMMs (lora/base_weight.FP8Base), reading the e4m3 codes as stored (no
+scratch buffer), and the LoRA term is the 16-bit rank-r product beside them.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..lora.base_weight import DenseBase
 from .options import EngineOptions
 
 
@@ -67,6 +72,16 @@ class WeightSource:
 
     def dense(self, i: int) -> torch.Tensor:
         return self.mods[i].base_weight()
+
+    def mm(self, i: int, x: torch.Tensor, out: torch.Tensor | None = None,
+           resid: torch.Tensor | None = None) -> torch.Tensor:
+        """resid + x W_i^T for projection i alone (the unpacked GEMMs), into `out`."""
+        return DenseBase(self.dense(i)).mm(x, out=out, resid=resid)
+
+    def mm_t(self, i: int, dy: torch.Tensor, out: torch.Tensor | None = None,
+             accumulate: bool = False) -> torch.Tensor:
+        """dy W_i for projection i alone, into `out` (added to it with `accumulate`)."""
+        return DenseBase(self.dense(i)).mm_t(dy, out=out, accumulate=accumulate)
 
 
 class ScratchPool:
@@ -136,12 +151,27 @@ class NF4Source(WeightSource):
         return buf
 
 
+class FP8Source(WeightSource):
+    """A group with at least one FP8 base weight: unpacked (the LoRA columns stay out of the
+    FP8 codes; the adapter's rank-r products run in 16-bit beside the GEMMs), each projection's
+    GEMMs its own base's (FP8 ones for FP8 members: lora/base_weight.FP8Base)."""
+
+    def __init__(self, mods):
+        super().__init__(mods, None)
+
+    def dense(self, i: int) -> torch.Tensor:
+        raise RuntimeError("an FP8 base runs its own GEMMs (mm / mm_t), not a dense weight's")
+
+    def mm(self, i, x, out=None, resid=None):
+        return self.mods[i].base.mm(x, out=out, resid=resid)
+
+    def mm_t(self, i, dy, out=None, accumulate=False):
+        return self.mods[i].base.mm_t(dy, out=out, accumulate=accumulate)
+
+
 def _dense_into(m, out: torch.Tensor) -> None:
     """Projection m's base weight into `out` (dequantised, or copied if 16-bit)."""
-    if m.nf4 is not None:
-        m.nf4.dequantize(out=out)
-    else:
-        out.copy_(m.weight)
+    m.base.dequantize(out=out)
 
 
 class DenseWeights:
@@ -155,6 +185,8 @@ class DenseWeights:
 
     def source(self, mods, dtype: torch.dtype, pack: bool) -> WeightSource:
         """The weights of projections `mods` (one input), packed where `pack` and possible."""
+        if any(m.fp8 is not None for m in mods):
+            return FP8Source(mods)
         if any(m.nf4 is not None for m in mods):
             shape = self.layout(mods)[0] if pack and self.packable(mods) else None
             return NF4Source(mods, self.scratch, dtype, shape)
@@ -199,7 +231,7 @@ class DenseWeights:
         The modules hold no reference to the buffer, only their weights' views of its storage
         (and the layout as plain numbers): after `.to()` gives the weights fresh storage,
         nothing keeps the old buffer alive."""
-        if any(m.nf4 is not None for m in mods) or not self.packable(mods):
+        if any(m.quantized is not None for m in mods) or not self.packable(mods):
             return None
         w0 = mods[0].weight
         in_f = mods[0].in_features
@@ -244,6 +276,8 @@ def pack_layer(layer, weights: DenseWeights) -> None:
     for mods in (qkv, o, gu, down):
         if not mods:
             continue
+        if any(m.fp8 is not None for m in mods):
+            continue  # FP8 GEMMs read the codes as stored: nothing to pack or dequantise into
         if any(m.nf4 is not None for m in mods):
             pack = mods is not o and weights.packable(mods)  # (o runs unpacked)
             shapes = ([weights.layout(mods)[0]] if pack

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ..errors import LeantuneError
 from .dispatch import use_triton
@@ -95,7 +94,34 @@ def _scaled(x: torch.Tensor, absmax: torch.Tensor, blocksize: int) -> torch.Tens
 # ------------------------------------------------------------------------------------------------
 # the weight container
 # ------------------------------------------------------------------------------------------------
-class NF4Weight(nn.Module):
+class FormatBuffers(nn.Module):
+    """A quantised weight's buffers (NF4 here, FP8 in kernels/fp8.py) plus its compute dtype,
+    held as the dtype of an empty `compute` buffer: `.to(device)` moves every buffer, a dtype
+    change (`.to(torch.bfloat16)`) reaches only `compute`, never the stored codes and scales
+    (they are the format)."""
+
+    def __init__(self, compute_dtype: torch.dtype, device=None):
+        super().__init__()
+        self.register_buffer("compute", torch.empty(0, dtype=compute_dtype, device=device),
+                             persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype: what `dequantize` returns by default."""
+        return self.compute.dtype
+
+    def _apply(self, fn, recurse=True):
+        for name, t in self._buffers.items():
+            if t is None:
+                continue
+            moved = fn(t)
+            if name != "compute" and moved.dtype != t.dtype:
+                moved = t.to(moved.device)
+            self._buffers[name] = moved
+        return self
+
+
+class NF4Weight(FormatBuffers):
     """A frozen 4-bit base weight [out, in] (module docstring), its tensors registered as buffers
     (so `.to(device)` moves them) named as bitsandbytes names them, but for `packed` (its
     `weight`).
@@ -107,7 +133,7 @@ class NF4Weight(nn.Module):
 
     def __init__(self, shape: tuple[int, int], weight_dtype: torch.dtype, nested: bool = True,
                  compute_dtype: torch.dtype | None = None, device=None):
-        super().__init__()
+        super().__init__(compute_dtype or weight_dtype, device)
         self.shape = tuple(int(s) for s in shape)
         self.weight_dtype = weight_dtype
         self.nested = nested
@@ -124,33 +150,19 @@ class NF4Weight(nn.Module):
             self.register_buffer("nested_offset", torch.empty((), **f32))
         else:
             self.register_buffer("absmax", torch.empty(blocks, **f32))
-        # empty; its dtype is the compute dtype (so that .to(dtype) sets it)
-        self.register_buffer("compute", torch.empty(0, dtype=compute_dtype or weight_dtype,
-                                                    device=device), persistent=False)
 
     @property
     def numel(self) -> int:
         return self.shape[0] * self.shape[1]
 
     @property
-    def dtype(self) -> torch.dtype:
-        """The compute dtype: what `dequantize` returns by default."""
-        return self.compute.dtype
-
-    @property
     def device(self) -> torch.device:
         return self.packed.device
 
-    def _apply(self, fn, recurse=True):
-        # .to(device) moves every buffer; a dtype change reaches only `compute`
-        for name, t in self._buffers.items():
-            if t is None:
-                continue
-            moved = fn(t)
-            if name != "compute" and moved.dtype != t.dtype:
-                moved = t.to(moved.device)
-            self._buffers[name] = moved
-        return self
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: the packed codes, the absmax (and nested statistics), the maps."""
+        return sum(t.numel() * t.element_size() for t in self._buffers.values() if t is not None)
 
     def extra_repr(self) -> str:
         return (f"shape={self.shape}, weight_dtype={self.weight_dtype}, nested={self.nested}, "
@@ -358,25 +370,12 @@ def dequantize_nf4(w: NF4Weight, out: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 # the plain path's linear
 # ------------------------------------------------------------------------------------------------
-class _NF4Linear(torch.autograd.Function):
-    """x W^T for a frozen NF4 weight: forward dequantises W, backward dequantises it again for
-    dx = dy W (no 16-bit weight is kept between them; no gradient for W)."""
-
-    @staticmethod
-    def forward(ctx, x, weight: NF4Weight):
-        ctx.weight = weight
-        return F.linear(x, weight.dequantize(dtype=x.dtype))
-
-    @staticmethod
-    def backward(ctx, dy):
-        if not ctx.needs_input_grad[0]:
-            return None, None
-        return dy @ ctx.weight.dequantize(dtype=dy.dtype), None
-
-
 def nf4_linear(x: torch.Tensor, weight: NF4Weight) -> torch.Tensor:
-    """x [..., in] -> x W^T [..., out] for the NF4 weight W [out, in]."""
-    return _NF4Linear.apply(x, weight)
+    """x [..., in] -> x W^T [..., out] for the NF4 weight W [out, in]: forward dequantises W,
+    backward dequantises it again for dx = dy W (lora/base_weight.base_linear)."""
+    from ..lora.base_weight import NF4Base, base_linear
+
+    return base_linear(x, NF4Base(weight))
 
 
 __all__ = ["BLOCKSIZE", "NESTED_BLOCKSIZE", "NF4_LEVELS", "NF4Weight", "dequantize_nf4",

@@ -5,9 +5,11 @@ plus an optional LoRA adapter.
 
 Parameter names follow Hugging Face and PEFT (`weight`, `bias`, `lora_A.weight`, `lora_B.weight`),
 so a state dict maps one-to-one onto HF checkpoints and PEFT adapter files. The base weight is
-read only through `base_weight()`, the seam where a quantised base dequantises: after
-`set_nf4_base` (QLoRA) the layer holds a 4-bit NF4Weight (`nf4`, kernels/nf4.py) in place of the
-16-bit `weight` Parameter (then None), and its forward dequantises per GEMM, in backward again.
+read only through `base` (lora/base_weight.py: its GEMMs mm / mm_t, its dense value, its
+bytes), whatever its storage: the 16-bit `weight` Parameter, or after `set_quantized_base` a
+4-bit NF4Weight (`nf4`, QLoRA, kernels/nf4.py) or an e4m3 FP8Weight (`fp8`, kernels/fp8.py) in
+place of `weight` (then None); a quantised base computes through its own GEMMs, in backward
+again (nothing 16-bit is kept between them).
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..kernels.nf4 import NF4Weight, nf4_linear
+from ..kernels.fp8 import FP8Weight
+from ..kernels.nf4 import NF4Weight
+from .base_weight import BaseWeight, base_linear, wrap
 from .function import lora_linear
 
 
@@ -42,32 +46,48 @@ class LoRALinear(nn.Module):
         self.scaling = 0.0
         self.lora_dropout: nn.Module = nn.Identity()
         self.nf4: NF4Weight | None = None  # the 4-bit base, in place of `weight` (QLoRA)
+        self.fp8: FP8Weight | None = None  # the e4m3 base, in place of `weight` (--precision fp8)
 
     @property
     def has_lora(self) -> bool:
         return self.lora_A is not None
 
-    def base_weight(self) -> torch.Tensor:
-        """The dense base weight [out, in] (a 4-bit base: dequantised, a new tensor per call)."""
-        return self.weight if self.nf4 is None else self.nf4.dequantize()
+    @property
+    def quantized(self) -> NF4Weight | FP8Weight | None:
+        """The quantised base's container (NF4 or FP8), or None for a 16-bit base."""
+        return self.nf4 if self.nf4 is not None else self.fp8
 
-    def set_nf4_base(self, nf4: NF4Weight) -> None:
-        """Hold `nf4` (its shape this layer's [out, in]) as the base weight instead of the 16-bit
-        Parameter, which is dropped (its memory freed)."""
-        if nf4.shape != (self.out_features, self.in_features):
-            raise ValueError(f"NF4 weight of shape {nf4.shape} for a layer of "
+    @property
+    def base(self) -> BaseWeight:
+        """The base weight as one object (lora/base_weight.py), made per call (a view)."""
+        q = self.quantized
+        return wrap(self.weight if q is None else q)
+
+    def base_weight(self) -> torch.Tensor:
+        """The dense base weight [out, in] (a quantised base: dequantised, a new tensor per
+        call)."""
+        return self.base.dequantize()
+
+    def set_quantized_base(self, q: NF4Weight | FP8Weight) -> None:
+        """Hold `q` (an NF4Weight or FP8Weight of this layer's [out, in]) as the base weight
+        instead of the 16-bit Parameter, which is dropped (its memory freed)."""
+        if q.shape != (self.out_features, self.in_features):
+            raise ValueError(f"{type(q).__name__} of shape {q.shape} for a layer of "
                              f"{(self.out_features, self.in_features)}")
         self.weight = None
-        self.nf4 = nf4
+        self.nf4 = q if isinstance(q, NF4Weight) else None
+        self.fp8 = q if isinstance(q, FP8Weight) else None
+
+    set_nf4_base = set_quantized_base  # (the QLoRA loader's name)
 
     @property
     def base_device(self) -> torch.device:
-        return self.weight.device if self.nf4 is None else self.nf4.device
+        return self.base.device
 
     @property
     def base_dtype(self) -> torch.dtype:
-        """The dtype the base weight computes in (a 4-bit base: its compute dtype)."""
-        return self.weight.dtype if self.nf4 is None else self.nf4.dtype
+        """The dtype the base weight computes in (a quantised base: its compute dtype)."""
+        return self.base.dtype
 
     def add_lora(self, r: int, alpha: float, dropout: float = 0.0, use_rslora: bool = False,
                  dtype: torch.dtype | None = None) -> None:
@@ -86,8 +106,8 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., in] -> [..., out]."""
-        if self.nf4 is not None:
-            y = nf4_linear(x, self.nf4)
+        if self.quantized is not None:
+            y = base_linear(x, self.base)
             y = y if self.bias is None else y + self.bias
             if self.lora_A is None:
                 return y
@@ -107,7 +127,7 @@ class LoRALinear(nn.Module):
 
     def extra_repr(self) -> str:
         s = f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
-        s += ", nf4" if self.nf4 is not None else ""
+        s += f", {self.base.kind}" if self.quantized is not None else ""
         return s + (f", lora_r={self.r}, scaling={self.scaling:g}" if self.has_lora else "")
 
 

@@ -132,7 +132,8 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 
 def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype | None = None,
-               device: str | torch.device | None = None, load_in_4bit: bool = False) -> CausalLM:
+               device: str | torch.device | None = None, load_in_4bit: bool = False,
+               precision: str = "bf16") -> CausalLM:
     """Build the model from a checkpoint folder or hub id and load its weights.
 
     Args:
@@ -142,6 +143,8 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype | None = N
         device: default "cuda" when available, else "cpu".
         load_in_4bit: quantise the decoder layers' projection weights to NF4 while loading
             (QLoRA); a pre-quantised bnb-4bit checkpoint is 4-bit either way.
+        precision: "fp8": quantise them to e4m3 with 128 x 128 block scales while loading
+            (kernels/fp8.py), as load_in_4bit does to NF4.
     """
     folder = resolve_checkpoint(name_or_path)
     cfg = ModelConfig.from_file(folder / "config.json")
@@ -159,7 +162,12 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype | None = N
         with torch.device("meta"):
             projections = [name for name, _ in nf4_projections(CausalLM(cfg))]
         nf4 = {name: None for name in projections}
-    model = build_empty(cfg, dtype, device, nf4)
+    fp8 = precision == "fp8" and not nf4  # (FP8: e4m3 placeholders before any storage)
+    model = build_empty(cfg, dtype, torch.device("meta") if fp8 else device, nf4)
+    if fp8:
+        from ..lora.base_weight import quantize_fp8_
+
+        model = quantize_fp8_(model).to_empty(device=device)
     load_safetensors_into(model, files, prequantized=set(states))
     model.source_path = folder
     return model
@@ -337,7 +345,8 @@ def load_safetensors_into(model: CausalLM, files: list[Path],
     headers = read_headers(files)
     plan, file_of = plan_checkpoint(model, files, headers)
     params = dict(model.named_parameters())
-    nf4 = {name + ".weight": m.nf4 for name, m in nf4_projections(model) if m.nf4 is not None}
+    nf4 = {name + ".weight": m.quantized for name, m in nf4_projections(model)
+           if m.quantized is not None}  # (NF4, or FP8: quantised as read)
     fam = model.config.family
     # a 4-bit weight's checkpoint name (Gemma 3 multimodal: prefixed), or for a 16-bit one
     # quantised as it loads, the rows of a fused checkpoint tensor (Phi-3's qkv_proj) it is

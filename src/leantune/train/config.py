@@ -145,6 +145,7 @@ class TrainConfig:
     adapter: str | None = None  # continue from this (SFT) adapter, folded in (lora/fold.py)
     router_aux_loss_coef: float = 0.0  # MoE: weight of the router's load-balancing loss
     load_in_4bit: bool = False  # QLoRA: the decoder's linear weights quantised to NF4 on load
+    precision: str = "bf16"  # bf16 | fp8: the frozen base's projections in e4m3 (FP8 GEMMs)
     merge_at_end: bool = False  # LoRA: write OUTPUT/merged (base + adapter) at the end
     train_on_inputs: bool = False
     eval_data: str | None = None
@@ -275,6 +276,14 @@ class TrainConfig:
             raise LeantuneError(f"--adapter {self.adapter}: continuing from an adapter folds it "
                                 "into the base weights, which a 4-bit (NF4) base cannot take "
                                 "without changing; drop --load-in-4bit (train on the 16-bit base)")
+        if self.precision not in ("bf16", "fp8"):
+            raise LeantuneError(f"--precision must be bf16 or fp8, got {self.precision!r}")
+        if self.precision == "fp8" and (self.full or self.load_in_4bit or self.adapter):
+            what = ("--full trains every weight" if self.full else "--load-in-4bit makes an NF4 "
+                    "base" if self.load_in_4bit else f"--adapter {self.adapter} folds into the "
+                    "16-bit base")
+            raise LeantuneError(f"--precision fp8 quantises a frozen LoRA base to e4m3, and "
+                                f"{what}; drop one of them")
         if self.resume and self.overwrite:
             raise LeantuneError("--resume continues the run in --output and --overwrite replaces "
                                 "it; give one of them")

@@ -30,6 +30,7 @@ from ..lora.params import count_parameters
 from ..utils.words import count
 from ..model.config import ModelConfig
 from ..model.loader import DTYPES, build_empty, default_dtype, load_model, resolve_checkpoint
+from ..lora.base_weight import check_precision, quantize_fp8_
 from ..utils.io import save_pretrained_safely
 from ..utils.paths import check_output_folder
 from .checkpoint import (check_resumed_config, latest_checkpoint, load_checkpoint,
@@ -68,6 +69,7 @@ class Trainer(StepRunner):
         model_config = model.config if model is not None else ModelConfig.from_file(
             model_dir / "config.json")
         self.parallel.choose(cfg, model_config, self.dtype, self.log)
+        check_precision(cfg.precision, self.device, self.prequantized, self.parallel.sharded)
         if model is None:
             four_bit = cfg.load_in_4bit or self.prequantized
             if self.parallel.sharded and four_bit:
@@ -79,10 +81,14 @@ class Trainer(StepRunner):
             else:
                 self.log(f"model: loading {cfg.model}" + (
                     " (4-bit NF4: quantising the decoder's linear weights as they load)"
-                    if cfg.load_in_4bit and not self.prequantized else ""))
+                    if cfg.load_in_4bit and not self.prequantized else "") + (
+                    " (FP8: quantising the decoder's linear weights to e4m3 as they load)"
+                    if cfg.precision == "fp8" else ""))
                 model = load_model(weights, dtype=self.dtype, device=self.device,
-                                   load_in_4bit=cfg.load_in_4bit)
+                                   load_in_4bit=cfg.load_in_4bit, precision=cfg.precision)
                 weights = None
+        elif cfg.precision == "fp8":
+            quantize_fp8_(model)  # (a model passed in: its 16-bit projections, one at a time)
         torch.manual_seed(cfg.seed)
         self.model = model
         self._setup_router_aux_loss()

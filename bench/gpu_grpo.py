@@ -104,6 +104,25 @@ def timed_steps(args, device, generate, train) -> tuple[list[float], list[float]
     return gen, trn, losses
 
 
+@torch.no_grad()
+def decode_vs_forward(model, ids: list[int], device) -> float:
+    """max |prefill logits - forward logits| / max |forward logits| of the last prompt token:
+    the decode path (KV cache) must see the adapter as trained (run after the timed steps)."""
+    from leantune.generate.cache import KVCache
+
+    was = model.training
+    model.eval()
+    try:
+        x = torch.tensor([ids], device=device)
+        cache = KVCache(model.config, 1, len(ids), model.output_weight().dtype, device)
+        positions, meta = cache.meta(len(ids))
+        a = model.forward_cached(x, positions, meta).float()
+        b = model(x).logits[:, -1].float()
+    finally:
+        model.train(was)
+    return float((a - b).abs().max() / b.abs().max())
+
+
 def bench_leantune(args, device) -> dict:
     rows, seq = args.prompts * args.generations, args.prompt + args.completion
     plan_batch = random_batch(SHAPES[args.shape]["vocab_size"], rows, seq)
@@ -114,17 +133,25 @@ def bench_leantune(args, device) -> dict:
         model = trainer.model
         prompts = PromptBatch(obj.dataset.items, list(range(args.prompts)))
         reset_peak(device)
+        last = []  # the last window (its trained tokens)
+
+        def train_step(window):
+            last[:] = window
+            return trainer.train_step(window)[0]
+
         gen, train, losses = timed_steps(
-            args, device, lambda i: obj.generate_window(model, [prompts], i),
-            lambda window: trainer.train_step(window)[0])
+            args, device, lambda i: obj.generate_window(model, [prompts], i), train_step)
         peak, metrics = peak_gib(device), obj.rollout_metrics
-        ntok = obj.tokens(obj.window_cache or []) if obj.window_cache else None
+        ntok = obj.tokens(last)
+        lora_b = max(float(p.abs().max()) for n, p in model.named_parameters() if "lora_B" in n)
+        drift = decode_vs_forward(model, prompts.items[0].ids, device)
     plan = getattr(trainer, "activation_policy", args.policy)
     del trainer, model
     g, t = median(gen), median(train)
     return {"step_s": g + t, "generation_s": g, "training_s": t, "peak_gib": peak,
             "plan": str(plan), "loss0": losses[0], "completion_len": metrics["completion_len"],
-            "gen_tokens_per_s": rows * args.completion / g, "train_tokens": ntok}
+            "gen_tokens_per_s": rows * args.completion / g, "train_tokens": ntok,
+            "decode_vs_forward": drift, "lora_b_max": lora_b}
 
 
 def bench_trl(args, device) -> dict:
@@ -249,6 +276,10 @@ def main(argv=None) -> int:
         print(f"{tool:<10}{r['step_s']:>9.3f}{r['generation_s']:>9.3f}{r['training_s']:>9.3f}"
               f"{r['gen_tokens_per_s']:>11.0f}{peak:>10}{r['loss0']:>10.4f}  {r['plan']}",
               flush=True)
+    ours = results["leantune"]
+    if "decode_vs_forward" in ours:  # the adapter as trained reaches generation
+        print(f"decode vs forward after training (LoRA B max {ours['lora_b_max']:.2e}): "
+              f"{ours['decode_vs_forward']:.2e} relative", flush=True)
     if "step_s" in results.get("trl", {}) and "step_s" in results["leantune"]:
         print(f"trl / leantune step time: {results['trl']['step_s'] / results['leantune']['step_s']:.2f}x")
     return 0

@@ -190,3 +190,35 @@ def test_grpo_flag_without_grpo_and_reward_failure(setup, capsys):
                     "--max-steps", "1", "--batch-size", "2", "--num-generations", "2")
     assert msg.startswith("reward broken raised ZeroDivisionError at step 1, row ")
     assert "p.jsonl:" in msg
+
+
+def test_sigterm_mid_step_checkpoints_and_resume_reproduces(setup, tmp_path):
+    """SIGTERM during step 3's update (its rollouts drawn): the checkpoint of step 2 is written
+    with the loader rewound, and --resume redoes step 3 exactly (same prompts, same samples)."""
+    import dataclasses
+
+    from leantune.errors import LeantuneError
+    from leantune.train.trainer import Trainer
+    from leantune.utils.signals import Terminated
+
+    whole = tmp_path / "whole"
+    _run(_grpo_cfg(setup, whole))
+    cfg = _grpo_cfg(setup, tmp_path / "cut")
+    tr = Trainer(cfg, log=quiet)
+    real, calls = tr.train_step, []
+
+    def step(window):
+        calls.append(1)
+        if len(calls) == 3:
+            raise Terminated()
+        return real(window)
+
+    tr.train_step = step
+    with pytest.raises(LeantuneError, match="terminated .SIGTERM. at step 2; checkpoint saved"):
+        tr.train()
+    _run(dataclasses.replace(cfg, resume=True, overwrite=False))
+    a, b = read_metrics(whole), read_metrics(tmp_path / "cut")
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for ra, rb in zip(a, b):
+        for k in KEYS:
+            assert math.isclose(ra[k], rb[k], rel_tol=1e-6, abs_tol=1e-9), (k, ra, rb)

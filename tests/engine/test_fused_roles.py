@@ -1,8 +1,8 @@
 """The fused layer follows the layer's roles: Gemma 3's attention-out and MLP-out norms, (1 + w)
 norms and q/k norms, query_pre_attn_scalar, per-layer-type RoPE and windows give the loss and
-LoRA gradients of plain autograd (fp32 within 1e-5, every keep level, MLP chunks, offload); what
-it does not run (Gemma 2's soft-capping, partial rotary) keeps the layer on the autograd path,
-with the same gradients."""
+LoRA gradients of plain autograd (fp32 within 1e-5, every keep level, MLP chunks, offload); Phi-4-mini's
+partial rotary too; what it does not run (Gemma 2's soft-capping) keeps the layer on the
+autograd path, with the same gradients."""
 
 import pytest
 import torch
@@ -39,8 +39,17 @@ def test_gemma3_mixed_plans_offload_and_mlp_chunks(backend):
     assert engine.store.offloaded_bytes > 0
 
 
-@pytest.mark.parametrize("cfg, why", [(GEMMA2, "attention soft-capping"),
-                                      (PHI3, "partial rotary")])
+@pytest.mark.parametrize("keep", [0, 1, 2])
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_partial_rotary_fused_layer_matches_autograd(keep, backend):
+    """Phi-4-mini's partial rotary (0.75 of the head): the first dims rotated in place."""
+    model = model_for(PHI3)
+    assert model.config.rotary_dim == 12
+    with kernels.backend(backend):
+        check(model, [LayerPlan(keep=keep)] * 3)
+
+
+@pytest.mark.parametrize("cfg, why", [(GEMMA2, "attention soft-capping")])
 def test_what_the_fused_path_does_not_run_falls_back(cfg, why):
     model = model_for(cfg)
     assert Engine().fused_unsupported(model) == why

@@ -181,10 +181,17 @@ def test_registry_covers_every_family():
 
 
 def test_fused_path_refuses_parts_it_does_not_run(checkpoints):
-    """Gemma 2 (soft-capped attention) stays off the fused path, with one line saying why;
-    Gemma 3's layers (output norms, q/k norms) and Phi-3's (partial rotary) take it."""
+    """Every new family's layers take the fused path (Gemma 2's soft-capping, Gemma 3's output
+    and q/k norms, Phi-3's partial rotary); a part it does not run keeps a layer off it, with
+    one line saying why (soft-capping together with sinks, here put onto a Gemma 2 layer)."""
     _, _, gemma = checkpoints["gemma2"]
-    assert fused_unsupported(gemma.layers[0]) == "attention soft-capping"
+    layer = gemma.layers[0]
+    assert structure_unsupported(layer) is None
+    layer.self_attn.sinks = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+    try:
+        assert fused_unsupported(layer) == "attention soft-capping with sinks"
+    finally:
+        layer.self_attn.sinks = None
     _, _, gemma3 = checkpoints["gemma3_text"]
     assert structure_unsupported(gemma3.layers[0]) is None
     _, _, phi = checkpoints["phi3"]
@@ -322,3 +329,16 @@ def test_bnb_4bit_checkpoint(checkpoints, name, tmp_path):
     got = _logits(load_model(bnb, device="cpu"), ids)
     want = _logits(load_model(folder, device="cpu", load_in_4bit=True), ids)
     assert torch.equal(got, want)
+
+
+def test_gemma2_logits_on_the_blocked_soft_cap_path(checkpoints):
+    """The varlen path's soft-capped attention (query blocks, documents from cu_seqlens; what
+    CUDA runs) gives transformers' logits too."""
+    _, hf, model = checkpoints["gemma2"]
+    ids = torch.randint(0, 98, (2, 13), generator=torch.Generator().manual_seed(5))
+    model.attention_path = "varlen"
+    try:
+        got = _logits(model, ids)
+    finally:
+        model.attention_path = None
+    assert max_abs(got, _logits(hf, ids)) < TOL

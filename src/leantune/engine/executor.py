@@ -142,8 +142,8 @@ def structure_unsupported(layer) -> str | None:
             return f"attention part {name!r}, which the fused executor does not run"
     if isinstance(layer.mlp, MoEBlock) and (roles.attn_out or roles.mlp_out):
         return "a mixture-of-experts layer with output norms"
-    if getattr(at, "softcap", None):
-        return "attention soft-capping"
+    if getattr(at, "softcap", None) and at.sinks is not None:
+        return "attention soft-capping with sinks"
     if getattr(at, "rotary_dim", None) is not None and at.q_norm is not None:
         return "partial rotary with q/k norms"
     return None
@@ -343,7 +343,8 @@ class _LayerRun:
         qkv = self.qkv.project(X1)
         q4, k4, v4 = self._rotated(qkv, shape, in_place=True)
         out4, state = self.ex.attention.forward(q4, k4, v4, self.meta, at.window, at.scale,
-                                                for_backward, sinks=at.sinks)
+                                                for_backward, sinks=at.sinks,
+                                                softcap=at.softcap)
         return X1, rstd1, qkv, (q4, k4, v4), out4, state
 
     def _o_residual(self, attn2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
@@ -491,7 +492,7 @@ class _LayerRun:
         # (with attention sinks, frozen, their gradient comes fourth and is dropped)
         dq, dk, dv = self.ex.attention.backward(dattn.view(out4.shape), q4, k4, v4, out4, state,
                                                 self.meta, at.window, at.scale,
-                                                sinks=at.sinks)[:3]
+                                                sinks=at.sinks, softcap=at.softcap)[:3]
         # the q/k norm's backward reads the raw projections: only those layers hold them on
         q_raw, k_raw, _ = self._split_qkv(qkv, self.shape) if at.q_norm is not None else (
             None, None, None)

@@ -54,6 +54,7 @@ def new_family_config(name: str):
         return Phi3Config(**phi, sliding_window=WINDOW, partial_rotary_factor=0.75)
     if name == "phi3_longrope":  # LongRoPE (Phi-3.5 / Phi-4-mini), partial rotary
         return Phi3Config(**dict(phi, max_position_embeddings=32), partial_rotary_factor=0.75,
+                          original_max_position_embeddings=8,
                           rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
                                            "short_factor": [1.0, 1.5, 2.0, 1.2, 3.0, 1.1],
                                            "long_factor": [2.0, 4.0, 1.5, 6.0, 3.0, 8.0],
@@ -119,6 +120,7 @@ def test_features_are_read(checkpoints):
     phi = checkpoints["phi3_longrope"][2].config
     assert phi.norms == LLAMA_NORMS and phi.rotary_dim == 12 and phi.head_dim == 16
     assert phi.rope_scaling["rope_type"] == "longrope"
+    assert phi.rope_scaling["original_max_position_embeddings"] == 8
     mm = checkpoints["gemma3_mm"][2].config
     assert mm.model_type == "gemma3" and mm.num_hidden_layers == 4
     assert "vision_config" in mm.raw
@@ -154,16 +156,20 @@ def test_roles_change_the_output(checkpoints):
     assert max_abs(_logits(model, ids), ref) < TOL
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3_text", "phi3_longrope"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3_text", "gemma3_mm", "phi3", "phi3_longrope"])
 def test_greedy_generation_matches_transformers(checkpoints, name):
+    """Past the windows (4). LongRoPE stays within its original context (8): at the switch
+    transformers' Phi-3 drops its KV cache and recomputes every key with the long factors
+    (Phi3ForCausalLM.prepare_inputs_for_generation), which leantune's decode does not (yet)."""
     from leantune.generate.decode import decode
 
     _, hf, model = checkpoints[name]
+    new = 3 if name == "phi3_longrope" else 9
     prompt = torch.randint(0, 98, (1, 5), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
-        ref = hf.generate(prompt, max_new_tokens=9, do_sample=False, eos_token_id=None,
+        ref = hf.generate(prompt, max_new_tokens=new, do_sample=False, eos_token_id=None,
                           pad_token_id=0)[0, 5:].tolist()
-    got = decode(model, [prompt[0].tolist()], 9)[0].token_ids
+    got = decode(model, [prompt[0].tolist()], new)[0].token_ids
     assert got == ref
 
 
@@ -175,14 +181,21 @@ def test_registry_covers_every_family():
 
 
 def test_fused_path_refuses_parts_it_does_not_run(checkpoints):
-    """Gemma 2 (soft-capped attention) and Phi-3 with partial rotary stay off the fused path,
-    with one line saying why; Gemma 3's layers (output norms, q/k norms) take it."""
+    """Every new family's layers take the fused path (Gemma 2's soft-capping, Gemma 3's output
+    and q/k norms, Phi-3's partial rotary); a part it does not run keeps a layer off it, with
+    one line saying why (soft-capping together with sinks, here put onto a Gemma 2 layer)."""
     _, _, gemma = checkpoints["gemma2"]
-    assert fused_unsupported(gemma.layers[0]) == "attention soft-capping"
+    layer = gemma.layers[0]
+    assert structure_unsupported(layer) is None
+    layer.self_attn.sinks = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+    try:
+        assert fused_unsupported(layer) == "attention soft-capping with sinks"
+    finally:
+        layer.self_attn.sinks = None
     _, _, gemma3 = checkpoints["gemma3_text"]
     assert structure_unsupported(gemma3.layers[0]) is None
     _, _, phi = checkpoints["phi3"]
-    assert structure_unsupported(phi.layers[0]) == "partial rotary"
+    assert structure_unsupported(phi.layers[0]) is None
 
 
 def test_an_unknown_norm_keeps_a_layer_off_the_fused_path(tmp_path):
@@ -316,3 +329,16 @@ def test_bnb_4bit_checkpoint(checkpoints, name, tmp_path):
     got = _logits(load_model(bnb, device="cpu"), ids)
     want = _logits(load_model(folder, device="cpu", load_in_4bit=True), ids)
     assert torch.equal(got, want)
+
+
+def test_gemma2_logits_on_the_blocked_soft_cap_path(checkpoints):
+    """The varlen path's soft-capped attention (query blocks, documents from cu_seqlens; what
+    CUDA runs) gives transformers' logits too."""
+    _, hf, model = checkpoints["gemma2"]
+    ids = torch.randint(0, 98, (2, 13), generator=torch.Generator().manual_seed(5))
+    model.attention_path = "varlen"
+    try:
+        got = _logits(model, ids)
+    finally:
+        model.attention_path = None
+    assert max_abs(got, _logits(hf, ids)) < TOL

@@ -6,6 +6,9 @@ backward runs no attention forward again. cuDNN runs causal attention over whole
 faster than flash attention 2 on an H200 (fwd+bwd, Llama-3.1-8B shapes). Elsewhere (CPU, fp32,
 EngineOptions.attention == "sdpa") backward re-runs the model's plain attention under autograd.
 
+Soft-capped scores (Gemma 2, `softcap`): query blocks with the log-sum-exp kept, forward and
+backward (model/softcap_attention.py), on every path: no [T, T] scores.
+
 Attention sinks (gpt-oss, `sinks` [Hq]): on the flash path they are added on top of flash's
 log-sum-exp (model/sink_attention.py), the state keeping the sink-inclusive one, and backward
 returns their gradient too (None for frozen sinks: not computed); cuDNN is not used for them. Elsewhere the model's attention with
@@ -24,6 +27,7 @@ import torch
 from ..model.attention import SDPA_GQA, AttentionMeta, attention, repeat_kv_heads
 from ..model.flash import flash_backward, flash_forward, flash_ok
 from ..model.sink_attention import add_sinks, sinks_grad
+from ..model.softcap_attention import softcap_attention_backward, softcap_attention_forward
 from .options import EngineOptions
 
 _CUDNN_OPS = hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention") and hasattr(
@@ -45,6 +49,11 @@ class CudnnState:
     lse: torch.Tensor  # [B, Hq, T, 1] fp32 log-sum-exp
     rest: tuple        # the op's bookkeeping outputs
     repeated: bool     # k/v heads were repeated (no native GQA in this build)
+
+
+@dataclass
+class SoftcapState:
+    lse: torch.Tensor  # [B, Hq, T] fp32 log-sum-exp of the soft-capped scores
 
 
 @dataclass
@@ -116,12 +125,16 @@ class AttentionBackend:
         return dq, dk, dv
 
     def forward(self, q, k, v, meta: AttentionMeta, window: int | None, scale: float,
-                for_backward: bool = False, sinks: torch.Tensor | None = None):
+                for_backward: bool = False, sinks: torch.Tensor | None = None,
+                softcap: float | None = None):
         """-> (out [B, T, Hq, D], state for `backward`). state: flash's or cuDNN's softmax
         statistics, so backward runs no attention forward again; elsewhere None (backward
         re-runs attention under autograd) or, with `for_backward` (a recompute right before
         backward), the autograd graph of this call, so backward does not run it a third time.
-        `sinks` [Hq]: attention sinks (module docstring)."""
+        `sinks` [Hq]: attention sinks; `softcap`: soft-capped scores (module docstring)."""
+        if softcap:
+            out, lse = softcap_attention_forward(q, k, v, meta, window, scale, softcap)
+            return out, SoftcapState(lse)
         if sinks is None and self._cudnn_ok(q, meta, window):
             res = self._cudnn_forward(q, k, v, scale)
             if res is not None:
@@ -139,9 +152,13 @@ class AttentionBackend:
             return attention(q, k, v, meta, window, scale, sinks), None
 
     def backward(self, dout, q, k, v, out, state, meta: AttentionMeta, window: int | None,
-                 scale: float, sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                 scale: float, sinks: torch.Tensor | None = None,
+                 softcap: float | None = None) -> tuple[torch.Tensor, ...]:
         """(dq, dk, dv) for dout [B, T, Hq, D], given forward's inputs, output and state; with
         `sinks` (as forward had them) (dq, dk, dv, dsinks), dsinks [Hq] in the sinks' dtype."""
+        if isinstance(state, SoftcapState):
+            return softcap_attention_backward(dout, q, k, v, out, state.lse, meta, window,
+                                              scale, softcap)
         if isinstance(state, CudnnState):
             try:
                 return self._cudnn_backward(dout, q, k, v, out, state, scale)

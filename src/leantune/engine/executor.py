@@ -142,10 +142,10 @@ def structure_unsupported(layer) -> str | None:
             return f"attention part {name!r}, which the fused executor does not run"
     if isinstance(layer.mlp, MoEBlock) and (roles.attn_out or roles.mlp_out):
         return "a mixture-of-experts layer with output norms"
-    if getattr(at, "softcap", None):
-        return "attention soft-capping"
-    if getattr(at, "rotary_dim", None) is not None:
-        return "partial rotary"
+    if getattr(at, "softcap", None) and at.sinks is not None:
+        return "attention soft-capping with sinks"
+    if getattr(at, "rotary_dim", None) is not None and at.q_norm is not None:
+        return "partial rotary with q/k norms"
     return None
 
 
@@ -326,8 +326,14 @@ class _LayerRun:
             q4, k4 = qk_norm_rope_fwd(q4, k4, at.q_norm.weight, at.k_norm.weight,
                                       at.q_norm.eps, at.q_norm.offset, self.cos, self.sin)
         elif in_place:
-            rope_(q4, k4, self.cos, self.sin)
+            rope_(*self._rotary(q4, k4), self.cos, self.sin)
         return q4, k4, v4
+
+    def _rotary(self, q4, k4):
+        """The rotated dims of q and k: all, or the first rotary_dim (partial rotary, Phi-4-mini:
+        views, rotated in place; cos/sin are that wide)."""
+        r = self.layer.self_attn.rotary_dim
+        return (q4, k4) if r is None else (q4[..., :r], k4[..., :r])
 
     def _attention(self, x2, shape, for_backward: bool = False):
         """norm1 -> q, k, v -> (q/k norm) -> RoPE -> attention.
@@ -337,7 +343,8 @@ class _LayerRun:
         qkv = self.qkv.project(X1)
         q4, k4, v4 = self._rotated(qkv, shape, in_place=True)
         out4, state = self.ex.attention.forward(q4, k4, v4, self.meta, at.window, at.scale,
-                                                for_backward, sinks=at.sinks)
+                                                for_backward, sinks=at.sinks,
+                                                softcap=at.softcap)
         return X1, rstd1, qkv, (q4, k4, v4), out4, state
 
     def _o_residual(self, attn2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
@@ -485,7 +492,7 @@ class _LayerRun:
         # (with attention sinks, frozen, their gradient comes fourth and is dropped)
         dq, dk, dv = self.ex.attention.backward(dattn.view(out4.shape), q4, k4, v4, out4, state,
                                                 self.meta, at.window, at.scale,
-                                                sinks=at.sinks)[:3]
+                                                sinks=at.sinks, softcap=at.softcap)[:3]
         # the q/k norm's backward reads the raw projections: only those layers hold them on
         q_raw, k_raw, _ = self._split_qkv(qkv, self.shape) if at.q_norm is not None else (
             None, None, None)
@@ -501,7 +508,7 @@ class _LayerRun:
                               at.q_norm.eps, at.q_norm.offset, self.cos, self.sin)
             del q_raw, k_raw
         else:
-            rope_(dq4, dk4, self.cos, self.sin, inverse=True)
+            rope_(*self._rotary(dq4, dk4), self.cos, self.sin, inverse=True)
         dxn1 = self.qkv.backward(X1, dqkv, grads, need_dx=need_dx)
         del dqkv, dq4, dk4
         dx = None

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from .sink_attention import sink_attention_varlen
+from .softcap_attention import softcap_attention_forward
 
 try:
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
@@ -180,17 +181,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attention
     """Causal attention within documents. q: [B, T, Hq, D], k/v: [B, T, Hk, D] -> [B, T, Hq, D]
     (the "cache" path: k/v are the cache's [B, S, Hk, D]). `sinks` [Hq]: attention sinks
     (module docstring). `softcap` (Gemma 2): the scores are soft-capped, computed whole on the
-    mask and cache paths; a model with soft-capping builds its metadata on the mask path
-    (CausalLM.hidden_states)."""
+    mask and cache paths, in query blocks elsewhere (model/softcap_attention.py)."""
     B, T, Hq, D = q.shape
     if softcap:
-        if meta.path == "causal":
-            mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()[None, None]
-        elif meta.path in ("mask", "cache"):
-            mask = meta.masks[window]
-        else:
-            raise ValueError("attention soft-capping runs on the mask, causal and cache paths")
-        return _scores_attention(q, k, v, mask, scale, sinks, softcap)
+        if meta.path in ("mask", "cache"):
+            return _scores_attention(q, k, v, meta.masks[window], scale, sinks, softcap)
+        if sinks is not None:
+            raise ValueError("attention soft-capping with sinks runs on the mask and cache paths")
+        return softcap_attention_forward(q, k, v, meta, window, scale, softcap)[0]
     if sinks is not None:
         if meta.path in ("mask", "cache"):
             return _scores_attention(q, k, v, meta.masks[window], scale, sinks)

@@ -159,9 +159,6 @@ class CausalLM(nn.Module):
         x = self.embed(input_ids)
         tables = {key: rope_cos_sin(position_ids, inv, scale, x.dtype, long_from)  # once per
                   for key, (inv, scale, long_from) in self._rope(x.device).items()}  # batch, type
-        path = self.attention_path
-        if path is None and self.config.attn_softcap and meta is None:
-            path = "mask"  # soft-capped scores (model/attention.py)
         if meta is None:
             meta = AttentionMeta.build(
                 (B, T), x.device,
@@ -169,7 +166,7 @@ class CausalLM(nn.Module):
                 cu_seqlens=batch.cu_seqlens if batch is not None else None,
                 max_seqlen=batch.max_seqlen if batch is not None else T,
                 windows={layer.self_attn.window for layer in self.layers}, dtype=x.dtype,
-                path=path)
+                path=self.attention_path)
         for layer in self.layers:
             x = layer(x, *tables[layer.rope_key], meta)
         return self.model.norm(x)

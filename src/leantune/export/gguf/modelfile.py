@@ -3,7 +3,9 @@ syntax for the chat template's style, the default system prompt the template ins
 and a `PARAMETER stop` line for every end-of-generation string.
 
 Styles recognised from the tokenizer's chat template: ChatML (`<|im_start|>`: Qwen2/3, SmolLM),
-Llama 3 (`<|start_header_id|>`) and Mistral (`[INST]`). Another template gets no TEMPLATE line
+Phi-4's ChatML with `<|im_sep|>`, Llama 3 (`<|start_header_id|>`), Mistral (`[INST]`), Gemma's
+turns (`<start_of_turn>user` ... `<end_of_turn>`, the reply as `model`, a system prompt at the
+head of the first user turn) and Phi-3's (`<|user|>` ... `<|end|>`). Another template gets no TEMPLATE line
 (Ollama then uses the one it recognises from the GGUF's tokenizer.chat_template, if any) and a
 warning.
 
@@ -47,10 +49,43 @@ MISTRAL = """{{- range $i, $m := .Messages }}
 {{- end }}"""
 
 
+# Gemma 2 / 3: user and model turns; the system prompt opens the first user turn
+GEMMA = """{{- range $i, $m := .Messages }}
+{{- if eq $m.Role "user" }}<start_of_turn>user
+{{ if and $.System (le $i 1) }}{{ $.System }}
+
+{{ end }}{{ $m.Content }}<end_of_turn>
+{{ else if eq $m.Role "assistant" }}<start_of_turn>model
+{{ $m.Content }}<end_of_turn>
+{{ end }}
+{{- end }}<start_of_turn>model
+"""
+
+PHI3 = """{{- if .System }}<|system|>
+{{ .System }}<|end|>
+{{ end }}
+{{- range .Messages }}
+{{- if ne .Role "system" }}<|{{ .Role }}|>
+{{ .Content }}<|end|>
+{{ end }}
+{{- end }}<|assistant|>
+"""
+
+PHI4 = """{{- range .Messages }}<|im_start|>{{ .Role }}<|im_sep|>{{ .Content }}<|im_end|>
+{{- end }}<|im_start|>assistant<|im_sep|>"""
+
+
 def template_style(chat_template: str | None) -> str | None:
-    """"chatml" | "llama3" | "mistral" for a Jinja chat template, or None."""
+    """"chatml" | "phi4" | "llama3" | "mistral" | "gemma" | "phi3" for a Jinja chat template,
+    or None."""
     if not chat_template:
         return None
+    if "<|im_sep|>" in chat_template:
+        return "phi4"
+    if "<start_of_turn>" in chat_template:
+        return "gemma"
+    if "<|assistant|>" in chat_template and "<|end|>" in chat_template:
+        return "phi3"
     if "<|im_start|>" in chat_template:
         return "chatml"
     if "<|start_header_id|>" in chat_template:
@@ -144,18 +179,21 @@ def modelfile_text(gguf_file: str, chat_template: str | None, stop_strings: list
     lines = [f"FROM ./{gguf_file}"]
     warnings = []
     mistral = MISTRAL.replace("{EOS}", _go_literal(eos or "</s>", "the EOS token"))
-    template = {"chatml": CHATML, "llama3": LLAMA3, "mistral": mistral}.get(style or "")
+    template = {"chatml": CHATML, "llama3": LLAMA3, "mistral": mistral, "gemma": GEMMA,
+                "phi3": PHI3, "phi4": PHI4}.get(style or "")
     if template is not None:
         lines.append("TEMPLATE " + modelfile_value(
             template, f"the Ollama TEMPLATE (with the EOS token {eos!r})"))
     elif chat_template:
-        warnings.append("the chat template is not a ChatML, Llama 3 or Mistral one: the "
+        warnings.append("the chat template is not a ChatML, Llama 3, Mistral, Gemma or Phi "
+                        "one: the "
                         "Modelfile has no TEMPLATE, so Ollama uses the GGUF's chat template "
                         "only if it recognises it")
     if system:
         lines.append("SYSTEM " + modelfile_value(
             system, "the default system prompt of the chat template"))
-    stops = list(dict.fromkeys(stop_strings + (["[INST]"] if style == "mistral" else [])))
+    turn_starts = {"mistral": ["[INST]"], "gemma": ["<start_of_turn>"], "phi3": ["<|user|>"]}
+    stops = list(dict.fromkeys(stop_strings + turn_starts.get(style or "", [])))
     lines += ["PARAMETER stop " + modelfile_value(s, f"the stop string {s!r}", prefer=SINGLE)
               for s in stops if s]
     return "\n".join(lines) + "\n", warnings

@@ -27,12 +27,12 @@ import torch
 
 from ...errors import LeantuneError
 from ...model.config import ModelConfig
-from ...model.families import FAMILIES
+from ...model.families import FAMILIES, GGUF_ARCHITECTURES
 from ...model.rope import rope_inv_freq
 from .quants import QUANT_TYPES, QuantType
 
 # model_type -> llama.cpp architecture (the family registry's)
-ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCHITECTURES = GGUF_ARCHITECTURES
 PERMUTED_ARCHITECTURES = tuple(sorted({f.gguf_arch for f in FAMILIES.values()
                                        if f.gguf_permute_qk}))
 
@@ -43,7 +43,13 @@ LAYER_MODULES = {
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    # Phi-3's fused projections: llama.cpp's phi3 splits ffn_up into gate | up itself
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
 }
+# llama.cpp's name of each norm role (model/families.py Norms): Gemma's post_attention_layernorm
+# is its attention-out norm, Llama's its MLP-in norm
+NORM_ROLES = {"attn_in": "attn_norm", "attn_out": "post_attention_norm", "mlp_in": "ffn_norm",
+              "mlp_out": "post_ffw_norm"}
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
 
 # --quant -> (llama.cpp file type id, the type of 2-D tensors)
@@ -59,11 +65,24 @@ def architecture(cfg: ModelConfig, source: str = "config.json") -> str:
     return ARCHITECTURES[cfg.model_type]
 
 
-def gguf_name(hf_name: str) -> str | None:
-    """llama.cpp's name for a Hugging Face tensor; None for tensors GGUF does not store
-    (rotary inv_freq buffers)."""
+def gguf_name(hf_name: str, cfg: ModelConfig | None = None) -> str | None:
+    """llama.cpp's name for a Hugging Face tensor (norms by their role in `cfg`'s family;
+    default Llama's); None for tensors GGUF does not store (rotary inv_freq buffers; a
+    multimodal checkpoint's vision tower and projector, which llama.cpp keeps in an mmproj
+    file of their own)."""
     if hf_name.endswith("rotary_emb.inv_freq"):
         return None
+    if cfg is not None and cfg.family.prefixes:
+        ours = cfg.family.our_name(hf_name)
+        if ours == hf_name and not hf_name.startswith(("model.layers.", "model.embed_tokens.",
+                                                       "model.norm.", "lm_head.")):
+            return None  # (not the language model's)
+        hf_name = ours
+    m = _LAYER.fullmatch(hf_name)
+    if cfg is not None and m:
+        for role, module in cfg.norms.items():
+            if m.group(2) == module:
+                return f"blk.{m.group(1)}.{NORM_ROLES[role]}.{m.group(3)}"
     module, _, kind = hf_name.rpartition(".")
     if module in TOP_LEVEL and kind == "weight":
         return f"{TOP_LEVEL[module]}.weight"
@@ -71,7 +90,24 @@ def gguf_name(hf_name: str) -> str | None:
     if m and m.group(2) in LAYER_MODULES:
         return f"blk.{m.group(1)}.{LAYER_MODULES[m.group(2)]}.{m.group(3)}"
     raise LeantuneError(f"tensor {hf_name} has no GGUF counterpart; GGUF export covers the "
-                        "decoder of Llama, Mistral, Qwen2 and Qwen3 checkpoints")
+                        "decoder of Llama, Mistral, Qwen2, Qwen3, Gemma 2 / 3 and Phi-3 "
+                        "checkpoints")
+
+
+def norm_shift(cfg: ModelConfig, gguf: str) -> float:
+    """What llama.cpp adds to a stored norm weight: Gemma's (1 + w) norms are written as 1 + w
+    (its RMSNorm multiplies by the weight as stored), as llama.cpp's converter does."""
+    return cfg.norm_offset if gguf.endswith("norm.weight") else 0.0
+
+
+def longrope_factors(cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """LongRoPE's factors as llama.cpp's rope_factors_short / rope_factors_long tensors
+    [rotated dims / 2]; {} for other rope types."""
+    s = cfg.rope_scaling or {}
+    if s.get("rope_type") != "longrope":
+        return {}
+    return {f"rope_factors_{k}.weight": torch.tensor(s[f"{k}_factor"], dtype=torch.float32)
+            for k in ("short", "long")}
 
 
 def permute_rows(t: torch.Tensor, n_heads: int) -> torch.Tensor:

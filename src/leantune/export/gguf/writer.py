@@ -31,6 +31,8 @@ from .tensors import (
     FILE_TYPES,
     architecture,
     gguf_name,
+    longrope_factors,
+    norm_shift,
     permute_rows,
     rope_factors,
     rows_heads,
@@ -121,14 +123,16 @@ def _model_metadata(writer, cfg: ModelConfig, arch: str, quant: str, name: str,
             (w.add_feed_forward_length, cfg.intermediate_size),
             (w.add_head_count, cfg.num_attention_heads),
             (w.add_head_count_kv, cfg.num_key_value_heads), (w.add_key_length, cfg.head_dim),
-            (w.add_value_length, cfg.head_dim), (w.add_rope_dimension_count, cfg.head_dim),
+            (w.add_value_length, cfg.head_dim),
+            (w.add_rope_dimension_count, cfg.rotary_dim or cfg.head_dim),
             (w.add_rope_freq_base, cfg.rope_theta), (w.add_layer_norm_rms_eps, cfg.rms_norm_eps),
             (w.add_vocab_size, cfg.vocab_size)]:
         add(value)
     scaling = cfg.rope_scaling or {}
-    if scaling.get("rope_type") == "linear":
+    if scaling.get("rope_type") == "linear":  # (Gemma 3: its full layers')
         w.add_rope_scaling_type(_import_gguf().RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(float(scaling["factor"]))
+    _family_metadata(w, cfg, arch)
     w.add_tokenizer_model(vocab.model)
     w.add_tokenizer_pre(vocab.pre)
     w.add_token_list(vocab.tokens)
@@ -149,19 +153,40 @@ def _model_metadata(writer, cfg: ModelConfig, arch: str, quant: str, name: str,
         w.add_chat_template(vocab.chat_template)
 
 
+def _family_metadata(w, cfg: ModelConfig, arch: str) -> None:
+    """The keys llama.cpp's gemma2 / gemma3 / phi3 read beyond the common ones: sliding window,
+    soft-caps (Gemma 2), LongRoPE's original context and attention factor (Phi-3). Gemma's
+    embedding scale sqrt(hidden) and its (1 + w) norms need no key: llama.cpp's gemma graphs
+    scale the embedding themselves, and the norms are stored as 1 + w."""
+    if arch in ("gemma2", "gemma3", "phi3") and cfg.sliding_window:
+        w.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg.attn_softcap or 0.0)
+        w.add_final_logit_softcapping(cfg.final_softcap or 0.0)
+    scaling = cfg.rope_scaling or {}
+    if scaling.get("rope_type") == "longrope":
+        from ...model.rope import rope_inv_freq
+
+        _, attn_factor = rope_inv_freq(cfg.rotary_dim or cfg.head_dim, cfg.rope_theta, scaling,
+                                       max_positions=cfg.max_position_embeddings)
+        w.add_rope_scaling_attn_factors(attn_factor)
+        w.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
+
+
 def _plan_model(weights: MergedWeights, quant: str) -> list[_Planned]:
     cfg = weights.config
     tied = cfg.tie_word_embeddings or "lm_head.weight" not in weights.shapes
     planned = []
     for hf in weights.names():
-        name = gguf_name(hf)
+        name = gguf_name(hf, cfg)
         if name is None or (name == "output.weight" and cfg.tie_word_embeddings):
             continue
         shape = weights.shapes[hf]
         heads = rows_heads(cfg, name)
 
-        def make(hf=hf, heads=heads):
+        def make(hf=hf, heads=heads, shift=norm_shift(cfg, name)):
             t = weights.tensor(hf, torch.float32)
+            t = t + shift if shift else t
             return permute_rows(t, heads) if heads else t
 
         planned.append(_Planned(name, shape, tensor_type(name, shape, quant,
@@ -170,6 +195,8 @@ def _plan_model(weights: MergedWeights, quant: str) -> list[_Planned]:
     if factors is not None:
         planned.append(_Planned("rope_freqs.weight", tuple(factors.shape), QUANT_TYPES["f32"],
                                 lambda: factors))
+    for name, t in longrope_factors(cfg).items():
+        planned.append(_Planned(name, tuple(t.shape), QUANT_TYPES["f32"], lambda t=t: t))
     return sorted(planned, key=lambda p: _order(p.name))
 
 
@@ -200,6 +227,13 @@ def export_gguf(model: str | os.PathLike, adapter_dir: str | os.PathLike | None,
         warnings.append(f"the model attends within a sliding window of {cfg.sliding_window} "
                         f"tokens; llama.cpp's {arch} architecture attends over the whole "
                         "context, so outputs differ past the window")
+    if cfg.attn_scale and abs(cfg.attn_scale * cfg.head_dim ** 0.5 - 1) > 1e-6:
+        warnings.append(f"query_pre_attn_scalar {cfg.attn_scale ** -2:g} differs from head_dim "
+                        f"{cfg.head_dim}; llama.cpp's {arch} derives the attention scale from "
+                        "the model size, so a non-standard value is not carried over")
+    if cfg.family.prefixes:
+        warnings.append("the vision tower and projector are not written: the GGUF holds the "
+                        "language model (llama.cpp reads the vision part from an mmproj file)")
     planned = _plan_model(weights, quant)
     model_name = Path(os.fspath(model)).name or weights.src.resolve().name  # hub id: its name
     file_name = f"model-{quant}.gguf"
@@ -243,7 +277,7 @@ def export_gguf_lora(model: str | os.PathLike, adapter_dir: str | os.PathLike,
     arch = architecture(cfg, str(weights.src / "config.json"))
     planned = []
     for hf, (a, b) in weights.deltas.items():
-        name = gguf_name(hf)
+        name = gguf_name(hf, cfg)
         heads = rows_heads(cfg, name)
         stem = name.removesuffix(".weight")
         b = permute_rows(b, heads) if heads else b

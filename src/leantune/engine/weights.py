@@ -23,14 +23,18 @@ lives between its forward and its backward (which dequantises again, except in t
 whose weights are still in the buffers), and the GEMMs are those of the dense path.
 
 A group with an FP8 base (--precision fp8) runs unpacked (`FP8Source`): each projection's GEMMs
-are its base's FP8 GEMMs (lora/base_weight.FP8Base), reading the e4m3 codes as stored (no
-scratch buffer), and the LoRA term is the 16-bit rank-r product beside them.
+are its base's FP8 GEMMs (lora/base_weight.FP8Base), reading the e4m3 codes as stored, and the
+LoRA term is the 16-bit rank-r product beside them. Where dX's kernel reads the codes
+transposed (kernels/fp8_gemm.py), it transposes them into a pooled e4m3 scratch buffer per
+GEMM: one per weight shape, shared by every layer (no second resident copy).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..kernels.fp8 import FP8_DTYPE
+from ..kernels.fp8_gemm import transposes
 from ..lora.base_weight import DenseBase
 from .options import EngineOptions
 
@@ -156,8 +160,9 @@ class FP8Source(WeightSource):
     FP8 codes; the adapter's rank-r products run in 16-bit beside the GEMMs), each projection's
     GEMMs its own base's (FP8 ones for FP8 members: lora/base_weight.FP8Base)."""
 
-    def __init__(self, mods):
+    def __init__(self, mods, pool: ScratchPool):
         super().__init__(mods, None)
+        self.pool = pool
 
     def dense(self, i: int) -> torch.Tensor:
         raise RuntimeError("an FP8 base runs its own GEMMs (mm / mm_t), not a dense weight's")
@@ -166,7 +171,20 @@ class FP8Source(WeightSource):
         return self.mods[i].base.mm(x, out=out, resid=resid)
 
     def mm_t(self, i, dy, out=None, accumulate=False):
-        return self.mods[i].base.mm_t(dy, out=out, accumulate=accumulate)
+        base = self.mods[i].base
+        if base.kind != "fp8":
+            return base.mm_t(dy, out=out, accumulate=accumulate)
+        return base.mm_t(dy, out=out, accumulate=accumulate,
+                         scratch=fp8_dx_scratch(self.pool, base.shape, base.device))
+
+
+def fp8_dx_scratch(pool: ScratchPool, shape: tuple[int, int],
+                   device: torch.device) -> torch.Tensor | None:
+    """The shared e4m3 [in, out] buffer dX's kernel transposes an [out, in] weight's codes into,
+    where it does (kernels/fp8_gemm.transposes), else None."""
+    if not transposes(device):
+        return None
+    return pool.buffer((shape[1], shape[0]), FP8_DTYPE, device)
 
 
 def _dense_into(m, out: torch.Tensor) -> None:
@@ -186,7 +204,7 @@ class DenseWeights:
     def source(self, mods, dtype: torch.dtype, pack: bool) -> WeightSource:
         """The weights of projections `mods` (one input), packed where `pack` and possible."""
         if any(m.fp8 is not None for m in mods):
-            return FP8Source(mods)
+            return FP8Source(mods, self.scratch)
         if any(m.nf4 is not None for m in mods):
             shape = self.layout(mods)[0] if pack and self.packable(mods) else None
             return NF4Source(mods, self.scratch, dtype, shape)
@@ -277,7 +295,10 @@ def pack_layer(layer, weights: DenseWeights) -> None:
         if not mods:
             continue
         if any(m.fp8 is not None for m in mods):
-            continue  # FP8 GEMMs read the codes as stored: nothing to pack or dequantise into
+            for m in mods:  # FP8 GEMMs read the codes as stored; dX may transpose them
+                if m.fp8 is not None:
+                    fp8_dx_scratch(weights.scratch, m.fp8.shape, m.fp8.device)
+            continue
         if any(m.nf4 is not None for m in mods):
             pack = mods is not o and weights.packable(mods)  # (o runs unpacked)
             shapes = ([weights.layout(mods)[0]] if pack

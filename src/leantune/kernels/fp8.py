@@ -168,16 +168,18 @@ def fp8_mm_reference(x: torch.Tensor, w: FP8Weight, transpose: bool = False) -> 
 
 
 def fp8_mm(x: torch.Tensor, w: FP8Weight, transpose: bool = False,
-           out: torch.Tensor | None = None, resid: torch.Tensor | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, resid: torch.Tensor | None = None,
+           scratch: torch.Tensor | None = None) -> torch.Tensor:
     """resid + x W^T (transpose=False; x [n, in]) or resid + x W (transpose=True; x [n, out]),
     into `out` when given: the Triton kernel (kernels/fp8_gemm.py: activation quantised in the
-    GEMM) where the kernels run, else the emulation."""
+    GEMM; `scratch`, an e4m3 [in, out] buffer for dX's transposed codes) where the kernels run,
+    else the emulation."""
     from .dispatch import use_triton
 
     if use_triton(x) and not emulating():
         from .fp8_gemm import fp8_gemm
 
-        return fp8_gemm(x, w, transpose=transpose, out=out, resid=resid)
+        return fp8_gemm(x, w, transpose=transpose, out=out, resid=resid, scratch=scratch)
     y = fp8_mm_reference(x, w, transpose)
     if resid is not None:
         y = y + resid

@@ -14,7 +14,10 @@ The two GEMMs of a frozen LoRA base read one stored weight W [out, in] (codes an
 The backward's B is N-major. Where the GPU's FP8 MMA wants K-major operands the Triton compiler
 lays the tile out in shared memory; `dx_layout="transpose"` instead transposes W's codes into a
 scratch buffer [in, out] first (one per GEMM, the caller's buffer when given: no second
-resident copy) and runs the forward orientation. bench/gpu_fp8.py measures both.
+resident copy) and runs the forward orientation: the default, as Hopper's FP8 wgmma reads
+K-major operands only; LEANTUNE_FP8_DX=direct (or set_dx_layout) switches; bench/gpu_fp8.py
+measures both. The engine's scratch buffers for it are shared by every layer
+(engine/weights.ScratchPool) and allocated before memory is measured.
 
 Under TRITON_INTERPRET=1 (the tests) the interpreter runs the kernel on the CPU, e4m3 included.
 """
@@ -35,7 +38,7 @@ except ImportError:  # the package works without Triton (the emulation only)
 
 # "direct": dX reads W as it is stored; "transpose": through a transposed scratch copy
 DX_LAYOUTS = ("direct", "transpose")
-_dx_layout = os.environ.get("LEANTUNE_FP8_DX", "direct")
+_dx_layout = os.environ.get("LEANTUNE_FP8_DX", "transpose")
 
 
 def set_dx_layout(name: str) -> None:
@@ -106,6 +109,16 @@ if triton is not None:
         tl.store(C + rm[:, None] * stride_cm + rn[None, :] * stride_cn,
                  acc.to(C.dtype.element_ty), mask=mask)
 
+
+
+def transposes(device: torch.device) -> bool:
+    """Whether dX GEMMs on `device` read the weight through a transposed scratch copy (the
+    kernel runs there and the dX layout is "transpose")."""
+    from .dispatch import use_triton
+    from .fp8 import emulating
+
+    return (_dx_layout == "transpose" and not emulating()
+            and use_triton(torch.empty(0, device=device)))
 
 
 def _tiles(device: torch.device) -> dict:

@@ -1,0 +1,245 @@
+"""Issue 23: FP8 for the frozen base. Two parts, one table last.
+
+(a) GEMMs: M = --tokens (8192) rows against the Llama-3.1-8B projections (q/o 4096 x 4096, k/v
+    1024 x 4096, gate/up 14336 x 4096, down 4096 x 14336): forward Y = X W^T and input gradient
+    dX = dY W, in bf16 (cuBLAS) and in FP8 (kernels/fp8_gemm.py: e4m3 weights with 128 x 128
+    block scales, the bf16 activation quantised per 1 x 128 block inside the kernel; dX with the
+    codes transposed into a scratch buffer and read as stored). TFLOP/s, and the error against
+    the fp32 product of the same bf16 operands: ||Y - Y_fp32|| / ||Y_fp32|| for bf16 and FP8.
+    For reference, torch._scaled_mm (rowwise scales, where this torch has it) with the
+    activation quantised by a separate PyTorch amax pass, the cost the issue measured.
+(b) Steps: the Llama-3.1-8B shape, --rows x --seq tokens (4 x 2048), LoRA r16 alpha16 on every
+    projection, random weights, fused AdamW; leantune bf16 and --precision fp8 under their
+    activation policies (default bf16 auto@17, fp8 auto@12 and auto@17); tok/s (median of
+    --steps after --warmup) and peak GiB (torch.cuda.max_memory_allocated over the steps).
+
+    python bench/gpu_fp8.py                 # both parts on the GPU (~3 min on an H200)
+    python bench/gpu_fp8.py --parts gemm    # (a) only
+    python bench/gpu_fp8.py --tiny          # the same code paths on the CPU in seconds: the
+                                            # Triton kernel in the interpreter, the step emulated
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+if "--tiny" in sys.argv:  # the kernel in the interpreter, the step's FP8 GEMMs emulated
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("LEANTUNE_FP8_EMULATE", "1")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from harness import (H200_BF16_FLOPS, flops_per_token, leantune_model, median,  # noqa: E402
+                     peak_gib, record, reset_peak, step_times, sync)
+from shapes import SHAPES  # noqa: E402
+from speed import random_batch  # noqa: E402
+
+from leantune import kernels  # noqa: E402
+from leantune.kernels import fp8_gemm  # noqa: E402
+from leantune.kernels.fp8 import (FP8_DTYPE, FP8_MAX, FP8Weight, block_quantize,  # noqa: E402
+                                  fp8_mm_reference)
+
+# Llama-3.1-8B's projections, (out, in)
+PROJECTIONS = {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (14336, 4096),
+               "down": (4096, 14336)}
+TINY_PROJECTIONS = {"q/o": (64, 64), "k/v": (32, 64), "gate/up": (160, 64), "down": (64, 160)}
+
+
+def time_ms(fn, device, n: int = 20, warm: int = 3) -> float:
+    """Mean ms of fn() (CUDA events on the GPU; the host clock on the CPU)."""
+    if device.type == "cuda":
+        from harness import mean_ms
+
+        return mean_ms(fn, n, warm)
+    return 1e3 * median(step_times(fn, 1, 2, device))
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float() - ref).norm() / ref.norm()).item()
+
+
+def scaled_mm_rowwise(x: torch.Tensor, w8: torch.Tensor, sw: torch.Tensor):
+    """torch._scaled_mm with rowwise scales, the activation quantised by plain PyTorch ops (the
+    separate amax pass the issue measured): x [M, K] bf16, w8 [N, K] e4m3, sw [1, N] fp32."""
+    amax = x.abs().amax(1, keepdim=True).float().clamp(min=1e-12)
+    sx = amax / FP8_MAX
+    x8 = (x / sx).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16)
+
+
+def gemm_part(args, device) -> list[dict]:
+    rows = []
+    dtype = torch.bfloat16
+    g = torch.Generator(device=device).manual_seed(0)
+    shapes = TINY_PROJECTIONS if args.tiny else PROJECTIONS
+    M = args.tokens
+    backend = "triton"  # (the interpreter on the CPU: TRITON_INTERPRET=1 under --tiny)
+    for name, (N, K) in shapes.items():
+        w = torch.empty(N, K, device=device, dtype=dtype).normal_(0, 0.02, generator=g)
+        x = torch.empty(M, K, device=device, dtype=dtype).normal_(0, 1, generator=g)
+        dy = torch.empty(M, N, device=device, dtype=dtype).normal_(0, 1e-3, generator=g)
+        q = FP8Weight((N, K), dtype, device=device).quantize_(w)
+        scratch = torch.empty(K, N, dtype=FP8_DTYPE, device=device)
+        flops = 2 * M * N * K
+        y32, dx32 = x.float() @ w.float().t(), dy.float() @ w.float()
+        row = dict(shape=name, M=M, N=N, K=K)
+        bf_f = time_ms(lambda: torch.mm(x, w.t()), device)
+        bf_b = time_ms(lambda: torch.mm(dy, w), device)
+        row.update(bf16_fwd_tflops=flops / bf_f / 1e9, bf16_dx_tflops=flops / bf_b / 1e9,
+                   bf16_fwd_err=rel_err(x @ w.t(), y32), bf16_dx_err=rel_err(dy @ w, dx32))
+        with kernels.backend(backend):
+            f8_f = time_ms(lambda: fp8_gemm.fp8_gemm(x, q), device)
+            row.update(fp8_fwd_tflops=flops / f8_f / 1e9,
+                       fp8_fwd_err=rel_err(fp8_gemm.fp8_gemm(x, q), y32))
+            for layout in fp8_gemm.DX_LAYOUTS:
+                fp8_gemm.set_dx_layout(layout)
+                ms = time_ms(lambda: fp8_gemm.fp8_gemm(dy, q, transpose=True, scratch=scratch),
+                             device)
+                row[f"fp8_dx_{layout}_tflops"] = flops / ms / 1e9
+                row[f"fp8_dx_{layout}_err"] = rel_err(
+                    fp8_gemm.fp8_gemm(dy, q, transpose=True, scratch=scratch), dx32)
+            fp8_gemm.set_dx_layout("transpose")
+            # the kernel against the PyTorch emulation of the same quantisation (the CPU tests'
+            # reference): equal up to fp32 summation order and the bf16 output's rounding
+            row["kernel_vs_emulation"] = max(
+                rel_err(fp8_gemm.fp8_gemm(x, q), fp8_mm_reference(x, q).float()),
+                rel_err(fp8_gemm.fp8_gemm(dy, q, transpose=True, scratch=scratch),
+                        fp8_mm_reference(dy, q, transpose=True).float()))
+        row["fwd_plus_dx_speedup"] = (bf_f + bf_b) / (f8_f + flops / row["fp8_dx_transpose_tflops"]
+                                                       / 1e9)
+        if device.type == "cuda" and hasattr(torch, "_scaled_mm"):
+            try:
+                w8, sw = block_quantize(w, 1)  # rowwise: one scale per output row
+                sw = sw.view(1, -1).contiguous()
+                ms = time_ms(lambda: scaled_mm_rowwise(x, w8, sw), device)
+                row.update(scaled_mm_rowwise_plus_quant_tflops=flops / ms / 1e9,
+                           scaled_mm_rowwise_err=rel_err(scaled_mm_rowwise(x, w8, sw), y32))
+            except Exception as e:  # (a torch without rowwise _scaled_mm on this GPU)
+                row["scaled_mm_error"] = f"{type(e).__name__}: {str(e)[:160]}"
+        record("fp8_gemm", **row)
+        rows.append(row)
+        del w, x, dy, q, scratch, y32, dx32
+        reset_peak(device)
+    return rows
+
+
+def trainer_step(model, batch, policy: str, precision: str, steps: int, device):
+    """A Trainer over `model` (--precision `precision`, which quantises its projections to FP8
+    in place) under `policy` (keep | recompute | offload | auto | auto@GiB) and its step."""
+    from leantune.train.config import TrainConfig
+    from leantune.train.trainer import Trainer
+
+    activations, _, budget = policy.partition("@")
+    cfg = TrainConfig(output=tempfile.mkdtemp(), max_seq_len=batch.input_ids.shape[1],
+                      batch_size=batch.input_ids.shape[0], lr=1e-4, warmup_steps=0,
+                      max_steps=steps, progress=False, eval_every=0, lora_r=16, lora_alpha=16,
+                      overwrite=True, device=str(device),
+                      dtype="bfloat16" if device.type == "cuda" else "float32",
+                      activations=activations, max_memory_gib=float(budget) if budget else None,
+                      precision=precision)
+    docs = [(batch.input_ids[0].tolist(), batch.labels[0].tolist())]
+    trainer = Trainer(cfg, model=model, train_data=docs, log=lambda *a: None)
+    on_device = batch.to(device)
+    return trainer, lambda: trainer.train_step([on_device])
+
+
+def step_part(args, device) -> list[dict]:
+    from leantune.engine import detach
+
+    shape = "tiny" if args.tiny else args.shape
+    cfg_model = None
+    batch = None
+    rows = []
+    for precision, policies in (("bf16", args.bf16), ("fp8", args.fp8)):
+        for policy in policies:
+            model = leantune_model(shape, device,
+                                   torch.bfloat16 if device.type == "cuda" else torch.float32)
+            cfg_model = model.config
+            batch = batch or random_batch(cfg_model.vocab_size, args.rows, args.seq)
+            tokens = batch.input_ids.numel()
+            row = dict(shape=shape, precision=precision, policy=policy)
+            try:
+                trainer, step = trainer_step(model, batch, policy, precision, args.steps, device)
+                reset_peak(device)
+                t = median(step_times(step, args.warmup, args.steps, device))
+                row.update(plan=trainer.activation_policy, tok_s=tokens / t, step_s=t,
+                           peak_gib=peak_gib(device),
+                           mfu=flops_per_token(cfg_model, batch.input_ids.shape[1]) * tokens
+                           / t / H200_BF16_FLOPS)
+                del trainer, step
+            except Exception as e:  # OOM or a budget no plan fits: record it and go on
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            record("fp8_step", **row)
+            rows.append(row)
+            detach(model)
+            del model
+            reset_peak(device)
+    best = {p: max((r.get("tok_s", 0) for r in rows if r["precision"] == p), default=0)
+            for p in ("bf16", "fp8")}
+    if best["bf16"] and best["fp8"]:
+        record("fp8_step", shape=shape, ratio_fp8_vs_bf16=best["fp8"] / best["bf16"])
+    return rows
+
+
+def _f(v, fmt="{:.4g}"):
+    return "-" if v is None else fmt.format(v)
+
+
+def print_table(gemms: list[dict], steps: list[dict]) -> None:
+    if gemms:
+        print("\nGEMM    M x N x K        TFLOP/s: bf16 fwd / dX | fp8 fwd / dX(T) / dX(direct)"
+              " | fwd+dX speedup | rel err bf16 / fp8 | kernel vs emul. | _scaled_mm+quant")
+        for r in gemms:
+            check = "ok" if r["kernel_vs_emulation"] < 1e-2 else "FAIL"
+            print(f"{r['shape']:<7} {r['M']}x{r['N']}x{r['K']:<9} "
+                  f"{_f(r['bf16_fwd_tflops']):>7} / {_f(r['bf16_dx_tflops']):<7} | "
+                  f"{_f(r['fp8_fwd_tflops']):>7} / {_f(r['fp8_dx_transpose_tflops'])} / "
+                  f"{_f(r['fp8_dx_direct_tflops'])} | {r['fwd_plus_dx_speedup']:.2f}x | "
+                  f"{r['bf16_fwd_err']:.1e} / {r['fp8_fwd_err']:.1e} | "
+                  f"{r['kernel_vs_emulation']:.1e} {check} | "
+                  f"{_f(r.get('scaled_mm_rowwise_plus_quant_tflops'))}")
+    if steps:
+        print("\nstep  shape         precision  policy     tok/s     peak GiB   plan")
+        for r in steps:
+            if "error" in r:
+                print(f"      {r['shape']:<13} {r['precision']:<10} {r['policy']:<10} "
+                      f"error: {r['error'][:80]}")
+                continue
+            print(f"      {r['shape']:<13} {r['precision']:<10} {r['policy']:<10} "
+                  f"{r['tok_s']:>8.0f}  {_f(r['peak_gib'], '{:.2f}'):>9}   {r['plan'][:60]}")
+
+
+def main():
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
+    ap.add_argument("--parts", nargs="+", default=["gemm", "step"], choices=["gemm", "step"])
+    ap.add_argument("--tiny", action="store_true",
+                    help="CPU, tiny shapes: the kernel in the interpreter, the step emulated")
+    ap.add_argument("--tokens", type=int, default=8192, help="GEMM rows M")
+    ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    ap.add_argument("--bf16", nargs="*", default=["auto@17"], help="bf16 policies")
+    ap.add_argument("--fp8", nargs="*", default=["auto@12", "auto@17"], help="fp8 policies")
+    ap.add_argument("--rows", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--device", default=None)
+    args = ap.parse_args()
+    device = torch.device(args.device or ("cpu" if args.tiny else "cuda"))
+    if args.tiny:
+        args.tokens, args.rows, args.seq, args.warmup, args.steps = 64, 2, 64, 1, 2
+        args.bf16 = [p.partition("@")[0] if p.startswith("auto") else p for p in args.bf16]
+        args.fp8 = list(dict.fromkeys(p.partition("@")[0] if p.startswith("auto") else p
+                                      for p in args.fp8))
+    gemms = gemm_part(args, device) if "gemm" in args.parts else []
+    sync(device)
+    steps = step_part(args, device) if "step" in args.parts else []
+    print_table(gemms, steps)
+
+
+if __name__ == "__main__":
+    main()

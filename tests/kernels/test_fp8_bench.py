@@ -1,0 +1,29 @@
+"""bench/gpu_fp8.py --tiny runs the GPU bench's code paths on the CPU in seconds: the FP8 GEMM
+kernel (interpreter) against bf16 with its error and the emulation check, and the bf16 and
+--precision fp8 (emulated) LoRA steps; the table comes last."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_fp8_bench_tiny(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path), PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_fp8.py"), "--tiny"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    gemms = [r for r in rows if r["section"] == "fp8_gemm"]
+    steps = [r for r in rows if r["section"] == "fp8_step" and "precision" in r]
+    assert [r["shape"] for r in gemms] == ["q/o", "k/v", "gate/up", "down"]
+    for r in gemms:
+        assert r["kernel_vs_emulation"] < 1e-2 and r["fp8_fwd_err"] < 0.06, r
+        assert r["bf16_fwd_err"] < r["fp8_fwd_err"]
+    assert [(r["precision"], "error" in r) for r in steps] == [("bf16", False), ("fp8", False)]
+    assert res.stdout.rstrip().splitlines()[-1].split()[:2] == ["tiny", "fp8"]  # the table

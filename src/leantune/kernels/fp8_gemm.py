@@ -111,6 +111,17 @@ if triton is not None:
 
 
 
+if triton is not None:
+    # On the GPU the tile shape is tuned per (M, N, K) on first use (C is restored after each
+    # trial: it may hold the residual the kernel adds to).
+    _CUDA_CONFIGS = [triton.Config(dict(BLOCK_M=m, BLOCK_N=n, GROUP_M=8), num_warps=w,
+                                   num_stages=st)
+                     for m, n, w, st in ((128, 128, 8, 3), (128, 256, 8, 3), (128, 128, 4, 4),
+                                         (64, 256, 8, 3), (256, 128, 8, 3), (64, 128, 4, 4))]
+    _fp8_gemm_tuned = triton.autotune(_CUDA_CONFIGS, key=["M", "N", "K", "HAS_R"],
+                                      restore_value=["C"])(_fp8_gemm_kernel)
+
+
 def transposes(device: torch.device) -> bool:
     """Whether dX GEMMs on `device` read the weight through a transposed scratch copy (the
     kernel runs there and the dX layout is "transpose")."""
@@ -121,12 +132,10 @@ def transposes(device: torch.device) -> bool:
             and use_triton(torch.empty(0, device=device)))
 
 
-def _tiles(device: torch.device) -> dict:
-    """Tile sizes: 128 x 128 on the GPU, small in the interpreter (fast tests, several
-    programs)."""
-    if device.type == "cuda":
-        return dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3)
-    return dict(BLOCK_M=32, BLOCK_N=64, GROUP_M=2)
+# the interpreter's tiles: small (fast tests, several programs); LEANTUNE_FP8_TUNE=0 uses them
+# on the GPU too, as 128 x 128 (no autotuning)
+_FIXED_TILES = dict(BLOCK_M=32, BLOCK_N=64, GROUP_M=2)
+_GPU_TILES = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3)
 
 
 def transpose_codes(w: FP8Weight, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -165,12 +174,19 @@ def fp8_gemm(x: torch.Tensor, w: FP8Weight, transpose: bool = False,
         strides_b = (b.stride(0), b.stride(1))
         strides_s = (s.stride(0), s.stride(1))
     r = resid if resid is not None else out
-    t = _tiles(x.device)
-    grid = (triton.cdiv(M, t["BLOCK_M"]) * triton.cdiv(N, t["BLOCK_N"]),)
-    _fp8_gemm_kernel[grid](x, b, s, out, r, M, N, K, x.stride(0), x.stride(1), *strides_b,
-                           *strides_s, out.stride(0), out.stride(1), r.stride(0), r.stride(1),
-                           HAS_R=resid is not None, ROUND_FP32=not x.is_cuda,
-                           BLOCK_K=BLOCK, **t)
+    args = (x, b, s, out, r, M, N, K, x.stride(0), x.stride(1), *strides_b, *strides_s,
+            out.stride(0), out.stride(1), r.stride(0), r.stride(1))
+
+    def grid(meta):
+        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+
+    flags = dict(HAS_R=resid is not None, ROUND_FP32=not x.is_cuda, BLOCK_K=BLOCK)
+    if not x.is_cuda:
+        _fp8_gemm_kernel[grid](*args, **flags, **_FIXED_TILES)
+    elif os.environ.get("LEANTUNE_FP8_TUNE", "1") == "0":
+        _fp8_gemm_kernel[grid](*args, **flags, **_GPU_TILES)
+    else:
+        _fp8_gemm_tuned[grid](*args, **flags)
     return out
 
 

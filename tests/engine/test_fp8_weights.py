@@ -68,3 +68,27 @@ def test_planner_counts_the_fp8_bytes():
     blocks = sum(-(-m.out_features // 128) * -(-m.in_features // 128)
                  for _, m in nf4_projections(dense))
     assert fp8_base_bytes(quantize_fp8_(dense)) == weights + 4 * blocks
+
+
+PACKABLE = dict(CONFIGS["qwen3"], hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                num_key_value_heads=2, head_dim=64)  # every output a multiple of 128
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_fp8_groups_pack_when_outputs_are_whole_blocks(backend):
+    """q/k/v and gate/up: one FP8 GEMM each way over the members' codes stacked (the members'
+    buffers become views of the packed ones: no copy); the loss and grads as autograd's."""
+    model = quantize_fp8_(model_for(PACKABLE))
+    engine = Engine(EngineOptions())
+    with kernels.backend(backend):
+        engine.pack(model)
+        layer = model.layers[0]
+        q, k, v = layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj
+        assert q._lt_fp8_packed_layout == (384, 128)
+        base = q.fp8.data.untyped_storage().data_ptr()
+        assert k.fp8.data.untyped_storage().data_ptr() == base
+        assert v.fp8.scale.untyped_storage().data_ptr() == q.fp8.scale.untyped_storage().data_ptr()
+        if backend == "reference":  # (the interpreter's step is slow: one layer plan each)
+            check(model, PLANS, rtol=1e-4, atol=2e-4, engine=engine)
+        else:
+            assert (128, 384) in {key[0] for key in engine.weights.scratch.buffers}

@@ -127,6 +127,11 @@ class FP8Weight(FormatBuffers):
         return self.data.device
 
     @property
+    def numel(self) -> int:
+        """Weights held (what the parameter count counts)."""
+        return self.shape[0] * self.shape[1]
+
+    @property
     def nbytes(self) -> int:
         """Bytes held: one a weight plus the fp32 block scales."""
         return self.data.numel() + self.scale.numel() * 4

@@ -12,9 +12,13 @@
     projection, random weights, fused AdamW; leantune bf16 and --precision fp8 under their
     activation policies (default bf16 auto@17, fp8 auto@12 and auto@17); tok/s (median of
     --steps after --warmup) and peak GiB (torch.cuda.max_memory_allocated over the steps).
+(c) Loss (--parts loss): --loss-steps (100) at --lr (2e-4) on bench/loss_curve.py's documents,
+    bf16 vs fp8 from one init, beside the bf16 noise floor (bf16 through the autograd layers
+    against the fused ones): the issue's bar is a mean gap within 3x the floor.
 
     python bench/gpu_fp8.py                 # both parts on the GPU (~3 min on an H200)
     python bench/gpu_fp8.py --parts gemm    # (a) only
+    python bench/gpu_fp8.py --parts loss    # (c): 100 steps at lr 2e-4, Llama-3.2-1B shape
     python bench/gpu_fp8.py --tiny          # the same code paths on the CPU in seconds: the
                                             # Triton kernel in the interpreter, the step emulated
 """
@@ -198,11 +202,62 @@ def step_part(args, device) -> list[dict]:
     return rows
 
 
+def loss_part(args, device) -> list[dict]:
+    """(c) --loss-steps steps at lr --lr on bench/loss_curve.py's documents (packed rows of
+    --seq, --rows a step), one base and one LoRA init: leantune bf16, bf16 through the autograd
+    layers (another kernel order of the same math: the bf16 noise floor) and --precision fp8.
+    Per step |loss - bf16 loss| / bf16 loss."""
+    import json
+
+    from loss_curve import make_documents
+
+    shape = "tiny" if args.tiny else args.loss_shape
+    tiny = args.tiny
+    vocab = SHAPES[shape]["vocab_size"]
+    docs = make_documents(40 if tiny else 600, vocab, seed=1, hi=min(args.seq, 1024),
+                          lo=8 if tiny else 64)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    curves = {}
+    for name, precision, fused in (("bf16", "bf16", True), ("bf16-autograd", "bf16", False),
+                                   ("fp8", "fp8", True)):
+        from leantune.train.config import TrainConfig
+        from leantune.train.trainer import Trainer
+
+        out = Path(tempfile.mkdtemp())
+        cfg = TrainConfig(output=str(out), max_seq_len=args.seq, batch_size=args.rows,
+                          lr=args.lr, warmup_steps=3, max_steps=args.loss_steps, seed=0,
+                          progress=False, eval_every=0, lora_r=16, lora_alpha=16, overwrite=True,
+                          device=str(device), fused_layers=fused, precision=precision,
+                          activations="auto" if device.type == "cuda" else "keep",
+                          dtype=str(dtype).replace("torch.", ""))
+        model = leantune_model(shape, device, dtype=dtype)  # (the same weights each time)
+        trainer = Trainer(cfg, model=model, train_data=docs, log=lambda *a: None)
+        trainer.train()
+        curves[name] = [json.loads(line)["loss"] for line in open(out / "metrics.jsonl")
+                        if '"loss"' in line]
+        del trainer, model
+        reset_peak(device)
+    ref = curves["bf16"]
+
+    def gaps(other):
+        return [abs(a - b) / abs(b) for a, b in zip(other, ref)]
+
+    g8, floor = gaps(curves["fp8"]), gaps(curves["bf16-autograd"])
+    row = dict(shape=shape, steps=len(ref), lr=args.lr, fp8_mean_rel_gap=sum(g8) / len(g8),
+               fp8_max_rel_gap=max(g8), floor_mean_rel_gap=sum(floor) / len(floor),
+               floor_max_rel_gap=max(floor), first_last={k: [v[0], v[-1]]
+                                                        for k, v in curves.items()},
+               curves=curves)
+    row["within_3x_floor"] = row["fp8_mean_rel_gap"] <= 3 * row["floor_mean_rel_gap"]
+    record("fp8_loss", **row)
+    return [row]
+
+
 def _f(v, fmt="{:.4g}"):
     return "-" if v is None else fmt.format(v)
 
 
-def print_table(gemms: list[dict], steps: list[dict]) -> None:
+def print_table(gemms: list[dict], steps: list[dict], losses: list[dict] = ()) -> None:
     if gemms:
         print("\nGEMM    M x N x K        TFLOP/s: bf16 fwd / dX | fp8 fwd / dX(T) / dX(direct)"
               " | fwd+dX speedup (best dX) | rel err bf16 / fp8 | kernel vs emul. | _scaled_mm+quant")
@@ -227,11 +282,20 @@ def print_table(gemms: list[dict], steps: list[dict]) -> None:
                 continue
             print(f"      {r['shape']:<13} {r['precision']:<10} {r['policy']:<10} "
                   f"{r['tok_s']:>8.0f}  {_f(r['peak_gib'], '{:.2f}'):>9}   {r['plan'][:60]}")
+    for r in losses:
+        print(f"\nloss  {r['shape']} {r['steps']} steps lr {r['lr']:g}: fp8 vs bf16 mean "
+              f"{r['fp8_mean_rel_gap']:.2e} (max {r['fp8_max_rel_gap']:.2e}); bf16 noise floor "
+              f"mean {r['floor_mean_rel_gap']:.2e} (max {r['floor_max_rel_gap']:.2e}); within "
+              f"3x floor: {'yes' if r['within_3x_floor'] else 'NO'}")
 
 
 def main():
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
-    ap.add_argument("--parts", nargs="+", default=["gemm", "step"], choices=["gemm", "step"])
+    ap.add_argument("--parts", nargs="+", default=["gemm", "step"],
+                    choices=["gemm", "step", "loss"])
+    ap.add_argument("--loss-shape", default="llama-3.2-1b", choices=sorted(SHAPES))
+    ap.add_argument("--loss-steps", type=int, default=100)
+    ap.add_argument("--lr", type=float, default=2e-4)
     ap.add_argument("--tiny", action="store_true",
                     help="CPU, tiny shapes: the kernel in the interpreter, the step emulated")
     ap.add_argument("--tokens", type=int, default=8192, help="GEMM rows M")
@@ -247,13 +311,15 @@ def main():
     device = torch.device(args.device or ("cpu" if args.tiny else "cuda"))
     if args.tiny:
         args.tokens, args.rows, args.seq, args.warmup, args.steps = 64, 2, 64, 1, 2
+        args.loss_steps = min(args.loss_steps, 6)
         args.bf16 = [p.partition("@")[0] if p.startswith("auto") else p for p in args.bf16]
         args.fp8 = list(dict.fromkeys(p.partition("@")[0] if p.startswith("auto") else p
                                       for p in args.fp8))
     gemms = gemm_part(args, device) if "gemm" in args.parts else []
     sync(device)
     steps = step_part(args, device) if "step" in args.parts else []
-    print_table(gemms, steps)
+    losses = loss_part(args, device) if "loss" in args.parts else []
+    print_table(gemms, steps, losses)
 
 
 if __name__ == "__main__":

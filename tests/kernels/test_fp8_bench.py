@@ -1,6 +1,6 @@
 """bench/gpu_fp8.py --tiny runs the GPU bench's code paths on the CPU in seconds: the FP8 GEMM
-kernel (interpreter) against bf16 with its error and the emulation check, and the bf16 and
---precision fp8 (emulated) LoRA steps; the table comes last."""
+kernel (interpreter) against bf16 with its error and the emulation check, the bf16 and
+--precision fp8 (emulated) LoRA steps, and the loss curves fp8 vs bf16; the table comes last."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_fp8_bench_tiny(tmp_path):
     env = dict(os.environ, OUT=str(tmp_path), PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
-    res = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_fp8.py"), "--tiny"],
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_fp8.py"), "--tiny",
+                          "--parts", "gemm", "step", "loss"],
                          capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
@@ -26,4 +27,7 @@ def test_fp8_bench_tiny(tmp_path):
         assert r["kernel_vs_emulation"] < 1e-2 and r["fp8_fwd_err"] < 0.06, r
         assert r["bf16_fwd_err"] < r["fp8_fwd_err"]
     assert [(r["precision"], "error" in r) for r in steps] == [("bf16", False), ("fp8", False)]
-    assert res.stdout.rstrip().splitlines()[-1].split()[:2] == ["tiny", "fp8"]  # the table
+    loss = [r for r in rows if r["section"] == "fp8_loss"]
+    assert len(loss) == 1 and len(loss[0]["curves"]["fp8"]) == 6
+    assert loss[0]["fp8_mean_rel_gap"] < 1e-2  # (the tiny model: FP8 follows bf16 closely)
+    assert res.stdout.rstrip().splitlines()[-1].startswith("loss  tiny 6 steps")  # the table

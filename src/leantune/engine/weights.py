@@ -22,9 +22,12 @@ columns, unless the buffer still holds them for this layer run. So no layer's 16
 lives between its forward and its backward (which dequantises again, except in the last layer,
 whose weights are still in the buffers), and the GEMMs are those of the dense path.
 
-A group with an FP8 base (--precision fp8) runs unpacked (`FP8Source`): each projection's GEMMs
-are its base's FP8 GEMMs (lora/base_weight.FP8Base), reading the e4m3 codes as stored, and the
-LoRA term is the 16-bit rank-r product beside them. Where dX's kernel reads the codes
+A group with an FP8 base (--precision fp8, `FP8Source`) runs FP8 GEMMs reading the e4m3 codes
+as stored: one each way over the members' codes stacked (`DenseWeights.fp8_packed`: the
+members' buffers become views of one, as 16-bit weights do) where every output size is a
+multiple of 128 (q/k/v and gate/up of the usual shapes), else each projection's own
+(lora/base_weight.FP8Base). The LoRA columns stay out of the FP8 codes: the LoRA term is the
+16-bit rank-r product beside the GEMM. Where dX's kernel reads the codes
 transposed (kernels/fp8_gemm.py), it transposes them into a pooled e4m3 scratch buffer per
 GEMM: one per weight shape, shared by every layer (no second resident copy).
 """

@@ -66,13 +66,15 @@ if triton is not None:
         return tl.where(tl.abs(v) < 0.015625, sub, normal)
 
     @triton.jit
-    def _fp8_gemm_kernel(A, B, SB, C, R, M, N, K,
+    def _fp8_gemm_kernel(A, B, SB, C, R, M, N, K, M_KEY,
                          stride_am, stride_ak, stride_bk, stride_bn, stride_sk, stride_sn,
                          stride_cm, stride_cn, stride_rm, stride_rn,
                          HAS_R: tl.constexpr, ROUND_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         """C[M, N] = R + A[M, K] B[K, N] (module docstring); B e4m3 with block scales SB
-        [ceil(K / 128), ceil(N / 128)]; BLOCK_K = 128 (one scale block a step)."""
+        [ceil(K / 128), ceil(N / 128)]; BLOCK_K = 128 (one scale block a step). M_KEY: M
+        rounded up to a power of two, the autotuner's key (unused here), so that prompts of
+        other lengths reuse one tuning."""
         pid = tl.program_id(0)
         num_m = tl.cdiv(M, BLOCK_M)
         num_n = tl.cdiv(N, BLOCK_N)
@@ -114,11 +116,23 @@ if triton is not None:
 if triton is not None:
     # On the GPU the tile shape is tuned per (M, N, K) on first use (C is restored after each
     # trial: it may hold the residual the kernel adds to).
+    # Few rows (decoding: M = the batch) take the small-M tiles alone: the GEMM then streams
+    # the e4m3 weight, half the bytes of bf16.
     _CUDA_CONFIGS = [triton.Config(dict(BLOCK_M=m, BLOCK_N=n, GROUP_M=8), num_warps=w,
                                    num_stages=st)
                      for m, n, w, st in ((128, 128, 8, 3), (128, 256, 8, 3), (128, 128, 4, 4),
-                                         (64, 256, 8, 3), (256, 128, 8, 3), (64, 128, 4, 4))]
-    _fp8_gemm_tuned = triton.autotune(_CUDA_CONFIGS, key=["M", "N", "K", "HAS_R"],
+                                         (64, 256, 8, 3), (256, 128, 8, 3), (64, 128, 4, 4),
+                                         (16, 128, 4, 4), (16, 64, 4, 4), (32, 128, 4, 4))]
+
+    def _prune(configs, named_args, **kwargs):
+        """Tiles no taller than the rows need (at least 16, tl.dot's least)."""
+        rows = max(16, named_args["M_KEY"])
+        fit = [c for c in configs if c.kwargs["BLOCK_M"] <= rows]
+        small = [c for c in fit if c.kwargs["BLOCK_M"] <= 32]
+        return small if rows <= 32 else [c for c in fit if c.kwargs["BLOCK_M"] >= 64] or fit
+
+    _fp8_gemm_tuned = triton.autotune(_CUDA_CONFIGS, key=["M_KEY", "N", "K", "HAS_R"],
+                                      prune_configs_by={"early_config_prune": _prune},
                                       restore_value=["C"])(_fp8_gemm_kernel)
 
 
@@ -174,7 +188,8 @@ def fp8_gemm(x: torch.Tensor, w: FP8Weight, transpose: bool = False,
         strides_b = (b.stride(0), b.stride(1))
         strides_s = (s.stride(0), s.stride(1))
     r = resid if resid is not None else out
-    args = (x, b, s, out, r, M, N, K, x.stride(0), x.stride(1), *strides_b, *strides_s,
+    args = (x, b, s, out, r, M, N, K, triton.next_power_of_2(M), x.stride(0), x.stride(1),
+            *strides_b, *strides_s,
             out.stride(0), out.stride(1), r.stride(0), r.stride(1))
 
     def grid(meta):

@@ -15,10 +15,12 @@
 (c) Loss (--parts loss): --loss-steps (100) at --lr (2e-4) on bench/loss_curve.py's documents,
     bf16 vs fp8 from one init, beside the bf16 noise floor (bf16 through the autograd layers
     against the fused ones): the issue's bar is a mean gap within 3x the floor.
+(d) Decoding (--parts decode): batch-1 greedy tok/s, bf16 vs the same model's FP8 weights.
 
     python bench/gpu_fp8.py                 # both parts on the GPU (~3 min on an H200)
     python bench/gpu_fp8.py --parts gemm    # (a) only
     python bench/gpu_fp8.py --parts loss    # (c): 100 steps at lr 2e-4, Llama-3.2-1B shape
+    python bench/gpu_fp8.py --parts decode  # (d): batch-1 decoding, bf16 vs FP8 weights
     python bench/gpu_fp8.py --tiny          # the same code paths on the CPU in seconds: the
                                             # Triton kernel in the interpreter, the step emulated
 """
@@ -253,11 +255,58 @@ def loss_part(args, device) -> list[dict]:
     return [row]
 
 
+def decode_part(args, device) -> list[dict]:
+    """(d) Batch-1 greedy decoding (leantune.generate, CUDA graphs on the GPU): a random prompt
+    of 128 tokens, --new-tokens new ones (EOS off), the --shape model in bf16, then with its
+    projections quantised to FP8 (the same GEMM kernel: a decode step streams the e4m3 weights,
+    half the bytes). tok/s of new tokens, median of 3 calls after a warm-up (which tunes and
+    captures)."""
+    import time
+
+    import leantune
+    from leantune.lora.base_weight import quantize_fp8_
+
+    shape = "tiny" if args.tiny else args.shape
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = leantune_model(shape, device, dtype).eval()
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randint(0, model.config.vocab_size, (1, 128 if not args.tiny else 8),
+                         generator=g).tolist()
+    out = []
+    for precision in ("bf16", "fp8"):
+        if precision == "fp8":
+            quantize_fp8_(model)
+
+        def run():
+            return leantune.generate(model, None, rows, max_new_tokens=args.new_tokens,
+                                     eos_token_ids=[], cuda_graphs=device.type == "cuda")
+
+        row = dict(shape=shape, precision=precision, batch=1, new_tokens=args.new_tokens)
+        try:
+            run()
+            times = []
+            for _ in range(3):
+                sync(device)
+                t0 = time.perf_counter()
+                run()
+                sync(device)
+                times.append(time.perf_counter() - t0)
+            row["tok_s"] = args.new_tokens / median(times)
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        record("fp8_decode", **row)
+        out.append(row)
+    del model
+    reset_peak(device)
+    return out
+
+
 def _f(v, fmt="{:.4g}"):
     return "-" if v is None else fmt.format(v)
 
 
-def print_table(gemms: list[dict], steps: list[dict], losses: list[dict] = ()) -> None:
+def print_table(gemms: list[dict], steps: list[dict], losses: list[dict] = (),
+                decodes: list[dict] = ()) -> None:
     if gemms:
         print("\nGEMM    M x N x K        TFLOP/s: bf16 fwd / dX | fp8 fwd / dX(T) / dX(direct)"
               " | fwd+dX speedup (best dX) | rel err bf16 / fp8 | kernel vs emul. | _scaled_mm+quant")
@@ -282,6 +331,9 @@ def print_table(gemms: list[dict], steps: list[dict], losses: list[dict] = ()) -
                 continue
             print(f"      {r['shape']:<13} {r['precision']:<10} {r['policy']:<10} "
                   f"{r['tok_s']:>8.0f}  {_f(r['peak_gib'], '{:.2f}'):>9}   {r['plan'][:60]}")
+    for r in decodes:
+        print(f"decode {r['shape']} batch 1 {r['precision']:<5} "
+              + (f"{r['tok_s']:.1f} tok/s" if "tok_s" in r else f"error: {r['error'][:80]}"))
     for r in losses:
         print(f"\nloss  {r['shape']} {r['steps']} steps lr {r['lr']:g}: fp8 vs bf16 mean "
               f"{r['fp8_mean_rel_gap']:.2e} (max {r['fp8_max_rel_gap']:.2e}); bf16 noise floor "
@@ -292,7 +344,8 @@ def print_table(gemms: list[dict], steps: list[dict], losses: list[dict] = ()) -
 def main():
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--parts", nargs="+", default=["gemm", "step"],
-                    choices=["gemm", "step", "loss"])
+                    choices=["gemm", "step", "loss", "decode"])
+    ap.add_argument("--new-tokens", type=int, default=256, help="decode: new tokens")
     ap.add_argument("--loss-shape", default="llama-3.2-1b", choices=sorted(SHAPES))
     ap.add_argument("--loss-steps", type=int, default=100)
     ap.add_argument("--lr", type=float, default=2e-4)
@@ -311,7 +364,7 @@ def main():
     device = torch.device(args.device or ("cpu" if args.tiny else "cuda"))
     if args.tiny:
         args.tokens, args.rows, args.seq, args.warmup, args.steps = 64, 2, 64, 1, 2
-        args.loss_steps = min(args.loss_steps, 6)
+        args.loss_steps, args.new_tokens = min(args.loss_steps, 6), 8
         args.bf16 = [p.partition("@")[0] if p.startswith("auto") else p for p in args.bf16]
         args.fp8 = list(dict.fromkeys(p.partition("@")[0] if p.startswith("auto") else p
                                       for p in args.fp8))
@@ -319,7 +372,8 @@ def main():
     sync(device)
     steps = step_part(args, device) if "step" in args.parts else []
     losses = loss_part(args, device) if "loss" in args.parts else []
-    print_table(gemms, steps, losses)
+    decodes = decode_part(args, device) if "decode" in args.parts else []
+    print_table(gemms, steps, losses, decodes)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@
 #          vs TRL DPOTrainer + PEFT: carry trl/datasets wheels), logprobs (kernels.token_logprobs
 #          vs full logits), speed-8b (the 8B SFT step alone)
 #          fp8 (issue 23: FP8 GEMMs vs bf16 at the 8B projections; the 8B step bf16 vs --precision
-#          fp8; 100 steps' loss fp8 vs bf16 beside the bf16 noise floor)
+#          fp8; 100 steps' loss fp8 vs bf16 beside the bf16 noise floor; batch-1 decoding)
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-bench-out}; export OUT; mkdir -p "$OUT"
@@ -57,6 +57,8 @@ for p in $parts; do
     fp8)     timeout 420 python bench/gpu_fp8.py ${FP8_ARGS:-} 2>&1 | tee -a "$OUT/log.txt" \
                | grep -v "^{" | tail -n 16
              timeout 300 python bench/gpu_fp8.py --parts loss 2>&1 | tee -a "$OUT/log.txt" \
+               | grep -v "^{" | tail -n 3
+             timeout 240 python bench/gpu_fp8.py --parts decode 2>&1 | tee -a "$OUT/log.txt" \
                | grep -v "^{" | tail -n 3 ;;
     dist)    timeout 170 torchrun --nproc_per_node 1 bench/dist_speed.py --shape llama-3.1-8b \
                --policy auto@17 2>&1 | tee -a "$OUT/log.txt" | grep -v "^{" | tail -n 6 ;;

@@ -1,6 +1,7 @@
 """bench/gpu_fp8.py --tiny runs the GPU bench's code paths on the CPU in seconds: the FP8 GEMM
 kernel (interpreter) against bf16 with its error and the emulation check, the bf16 and
---precision fp8 (emulated) LoRA steps, and the loss curves fp8 vs bf16; the table comes last."""
+--precision fp8 (emulated) LoRA steps, the loss curves fp8 vs bf16 and batch-1 decoding; the
+table comes last."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_fp8_bench_tiny(tmp_path):
     env = dict(os.environ, OUT=str(tmp_path), PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
     res = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_fp8.py"), "--tiny",
-                          "--parts", "gemm", "step", "loss"],
+                          "--parts", "gemm", "step", "loss", "decode"],
                          capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
@@ -30,4 +31,6 @@ def test_fp8_bench_tiny(tmp_path):
     loss = [r for r in rows if r["section"] == "fp8_loss"]
     assert len(loss) == 1 and len(loss[0]["curves"]["fp8"]) == 6
     assert loss[0]["fp8_mean_rel_gap"] < 1e-2  # (the tiny model: FP8 follows bf16 closely)
+    decode = [r for r in rows if r["section"] == "fp8_decode"]
+    assert [(r["precision"], r["tok_s"] > 0) for r in decode] == [("bf16", True), ("fp8", True)]
     assert res.stdout.rstrip().splitlines()[-1].startswith("loss  tiny 6 steps")  # the table

@@ -13,6 +13,8 @@
 #          vs full logits), speed-8b (the 8B SFT step alone)
 #          grpo (issue 21's GRPO step, generation + training, Llama-3.2-1B vs TRL's generate +
 #          loss; Qwen3-0.6B and Llama-3.1-8B leantune alone: carry the trl wheel for TRL)
+#          fp8 (issue 23: FP8 GEMMs vs bf16 at the 8B projections; the 8B step bf16 vs --precision
+#          fp8; 100 steps' loss fp8 vs bf16 beside the bf16 noise floor; batch-1 decoding)
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-bench-out}; export OUT; mkdir -p "$OUT"
@@ -64,6 +66,12 @@ for p in $parts; do
                | tee -a "$OUT/log.txt" | grep -E "^\{" | cut -c1-300
              timeout 170 python bench/qlora_speed.py --shape llama-3.1-70b --steps 3 --warmup 1 \
                2>&1 | tee -a "$OUT/log.txt" | grep -E "^\{" | cut -c1-300 ;;
+    fp8)     timeout 420 python bench/gpu_fp8.py ${FP8_ARGS:-} 2>&1 | tee -a "$OUT/log.txt" \
+               | grep -v "^{" | tail -n 16
+             timeout 300 python bench/gpu_fp8.py --parts loss 2>&1 | tee -a "$OUT/log.txt" \
+               | grep -v "^{" | tail -n 3
+             timeout 240 python bench/gpu_fp8.py --parts decode 2>&1 | tee -a "$OUT/log.txt" \
+               | grep -v "^{" | tail -n 3 ;;
     dist)    timeout 170 torchrun --nproc_per_node 1 bench/dist_speed.py --shape llama-3.1-8b \
                --policy auto@17 2>&1 | tee -a "$OUT/log.txt" | grep -v "^{" | tail -n 6 ;;
   esac

@@ -97,6 +97,20 @@ def attention_path(cuda: bool, has_varlen: bool) -> str:
     return "SDPA with a block-diagonal causal mask for packed rows (CPU)"
 
 
+def fp8_path(device: str) -> tuple[str, str]:
+    """(mark, detail) of the doctor's fp8 line: whether --precision fp8 runs here, and how."""
+    from .kernels.fp8 import emulating, fp8_unsupported
+
+    why = fp8_unsupported(device)
+    if why:
+        return NO, f"--precision fp8 is refused: {why}"
+    if emulating():
+        return OK, ("--precision fp8 emulated in PyTorch (LEANTUNE_FP8_EMULATE=1: the reference "
+                    "GEMMs, slow)")
+    return OK, ("--precision fp8: e4m3 base weights (128 x 128 block scales), Triton FP8 GEMMs "
+                "quantising the activations inside them")
+
+
 def _has_varlen() -> bool:
     try:  # the model's own test, so doctor and training agree
         from .model.attention import HAS_VARLEN
@@ -270,6 +284,8 @@ def run_doctor(print_fn: Callable[[str], None] = print) -> int:
         line(OK, "device", f"{dev}" + (f" ({torch.cuda.get_device_name(0)})" if cuda else ""))
         line(OK, "training dtype", training_dtype(cuda, bf16))
         line(OK, "attention", attention_path(cuda, _has_varlen()))
+        mark, detail = fp8_path(dev)
+        line(mark, "fp8", detail)
 
     if problems:
         print_fn(f"{problems} problem(s): fix the MISSING lines above, then rerun leantune doctor")

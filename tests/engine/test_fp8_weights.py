@@ -39,3 +39,56 @@ def test_fp8_stays_near_the_16bit_model():
         loss8, g8 = loss_and_grads(fp8, batch)
     assert abs(loss8 - loss16) < 0.01 * loss16
     assert torch.nn.functional.cosine_similarity(g8, g16, dim=0) > 0.98
+
+
+def test_pack_allocates_the_dx_transpose_buffers_where_the_kernel_runs():
+    """Where dX's kernel reads the codes transposed, Engine.pack allocates one e4m3 [in, out]
+    buffer per weight shape, shared by every layer (counted in the planner's fixed bytes);
+    with the emulation none."""
+    from leantune.kernels.fp8 import FP8_DTYPE
+
+    model = quantize_fp8_(model_for(CONFIGS["llama"]))
+    engine = Engine(EngineOptions())
+    engine.pack(model)
+    assert not engine.weights.scratch.buffers
+    with kernels.backend("triton"):
+        engine.pack(model)
+    # q [48, 40], k/v [24, 40], o [40, 48], gate/up [72, 40], down [40, 72], transposed
+    want = {(40, 48), (48, 40), (40, 24), (40, 72), (72, 40)}
+    assert {k[0] for k in engine.weights.scratch.buffers} == want
+    assert all(k[1] == FP8_DTYPE for k in engine.weights.scratch.buffers)
+
+
+def test_planner_counts_the_fp8_bytes():
+    from leantune.engine.planner import fp8_base_bytes
+
+    dense = model_for(CONFIGS["llama"])
+    weights = sum(m.weight.numel() for _, m in nf4_projections(dense))
+    assert fp8_base_bytes(dense) == 0
+    blocks = sum(-(-m.out_features // 128) * -(-m.in_features // 128)
+                 for _, m in nf4_projections(dense))
+    assert fp8_base_bytes(quantize_fp8_(dense)) == weights + 4 * blocks
+
+
+PACKABLE = dict(CONFIGS["qwen3"], hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                num_key_value_heads=2, head_dim=64)  # every output a multiple of 128
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_fp8_groups_pack_when_outputs_are_whole_blocks(backend):
+    """q/k/v and gate/up: one FP8 GEMM each way over the members' codes stacked (the members'
+    buffers become views of the packed ones: no copy); the loss and grads as autograd's."""
+    model = quantize_fp8_(model_for(PACKABLE))
+    engine = Engine(EngineOptions())
+    with kernels.backend(backend):
+        engine.pack(model)
+        layer = model.layers[0]
+        q, k, v = layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj
+        assert q._lt_fp8_packed_layout == (384, 128)
+        base = q.fp8.data.untyped_storage().data_ptr()
+        assert k.fp8.data.untyped_storage().data_ptr() == base
+        assert v.fp8.scale.untyped_storage().data_ptr() == q.fp8.scale.untyped_storage().data_ptr()
+        if backend == "reference":  # (the interpreter's step is slow: one layer plan each)
+            check(model, PLANS, rtol=1e-4, atol=2e-4, engine=engine)
+        else:
+            assert (128, 384) in {key[0] for key in engine.weights.scratch.buffers}

@@ -136,3 +136,14 @@ def test_wrong_input_width_is_one_line():
     q = FP8Weight((8, 16), torch.float32).quantize_(torch.randn(8, 16))
     with pytest.raises(ValueError, match="K = 8"):
         gemm.fp8_gemm(torch.randn(3, 16), q, transpose=True)
+
+
+def test_gpu_autotuning_tries_tiles_that_fit_the_rows():
+    """Decoding (a few rows) tries the small-M tiles only; a training GEMM the 64+ row ones."""
+    def heights(m):
+        pruned = gemm._prune(gemm._CUDA_CONFIGS, {"M_KEY": 1 << (m - 1).bit_length()})
+        return {c.kwargs["BLOCK_M"] for c in pruned}
+
+    assert heights(1) == heights(9) == {16}
+    assert heights(30) == {16, 32}
+    assert heights(100) == {64, 128} and heights(8192) == {64, 128, 256}

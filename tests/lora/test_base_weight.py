@@ -92,24 +92,26 @@ def test_quantized_base_of_the_wrong_shape_is_refused():
         layer.set_quantized_base(FP8Weight((OUT, IN + 1), torch.float32))
 
 
-def test_projection_group_on_fp8_through_triton_equals_emulation():
+@pytest.mark.parametrize("outs", [(40, 24, 24), (128, 128, 256)], ids=["unpacked", "packed"])
+def test_projection_group_on_fp8_through_triton_equals_emulation(outs):
     """q/k/v-like group (three projections, one input, one with LoRA): the FP8 source runs it
-    unpacked; forward and input gradient through the kernel equal the emulation."""
+    packed (one GEMM each way) where every output is a multiple of 128, else unpacked; forward
+    and input gradient through the kernel equal the emulation."""
     torch.manual_seed(0)
     mods = []
-    for out_f in (40, 24, 24):
+    for out_f in outs:
         m = LoRALinear(IN, out_f)
         torch.nn.init.normal_(m.weight, std=0.05)
         m.set_quantized_base(FP8Weight(m.weight.shape, torch.float32).quantize_(m.weight))
         mods.append(m)
     mods[0].add_lora(4, 4.0)
     torch.nn.init.normal_(mods[0].lora_B.weight)
-    x, dys = torch.randn(11, IN), torch.randn(11, 88)
+    x, dys = torch.randn(11, IN), torch.randn(11, sum(outs))
     results = []
     for backend in ("triton", "reference"):
         with kernels.backend(backend):
             group = ProjectionGroup(mods, torch.float32, DenseWeights(EngineOptions()), pack=True)
-            assert not group.packed
+            assert group.packed == (outs[0] == 128)
             X = group.new_input(11, x)
             X[:, :IN] = x
             group.fill_lora(X)

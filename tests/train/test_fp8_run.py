@@ -68,3 +68,13 @@ def test_fp8_refusals_are_one_line(tiny_ckpt, alpaca_file, tmp_path, capsys, mon
     msg = cli_error(capsys, *base, "--output", tmp_path / "c", "--full")
     assert "--full trains every weight" in msg
     assert not any((tmp_path / d).exists() for d in "abc")
+
+
+def test_resume_keeps_the_precision(tiny_ckpt, alpaca_file, tmp_path, capsys, emulate):  # noqa: F811
+    out = tmp_path / "run"
+    args = ["train", "--model", tiny_ckpt, "--data", alpaca_file, "--output", out, *FAST]
+    assert run_cli(capsys, *args, "--max-steps", "2", "--precision", "fp8")[0] == 0
+    msg = cli_error(capsys, *args, "--max-steps", "3", "--resume")
+    assert "started with --precision fp8, this command has bf16" in msg
+    rc, _, err = run_cli(capsys, *args, "--max-steps", "3", "--resume", "--precision", "fp8")
+    assert rc == 0, err

@@ -30,6 +30,11 @@ A 4-bit (NF4) base counts in the fixed bytes with its 4-bit size (packed codes a
 bytes a weight), and so do the scratch buffers its GEMMs dequantise into (one per packed shape,
 shared by all layers: 0.41 GiB at Llama-3.1-8B): Engine.pack allocates them before the Trainer
 measures what is allocated (engine/weights.py).
+
+An FP8 base (--precision fp8) counts the same way: its e4m3 codes (1 byte a weight) and fp32
+128 x 128 block scales (fp8_base_bytes), and the e4m3 scratch buffers dX's kernel transposes the
+codes into (one per weight shape, shared by all layers: ~0.13 GiB at Llama-3.1-8B), which
+Engine.pack allocates before memory is measured.
 """
 
 from __future__ import annotations
@@ -413,3 +418,9 @@ def describe(plans: list) -> str:
 def gpu_budget_bytes(device: torch.device, max_memory_gib: float | None) -> float:
     total = torch.cuda.get_device_properties(device).total_memory
     return min(total * 0.92, max_memory_gib * 2**30) if max_memory_gib else total * 0.92
+
+
+def fp8_base_bytes(model) -> int:
+    """Bytes of a model's FP8 base weights (codes and block scales; 0 for a 16-bit base), as
+    the fixed bytes hold them."""
+    return sum(m.fp8.nbytes for m in model.modules() if getattr(m, "fp8", None) is not None)

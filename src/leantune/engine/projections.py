@@ -101,9 +101,7 @@ class ProjectionGroup:
         if self.packed:
             if X.shape[1] != self.width:
                 raise ValueError("packed group: pass new_input's buffer (after fill_lora)")
-            W = self.source.get()
-            y = (torch.addmm(resid, X, W.t(), out=out) if resid is not None
-                 else torch.mm(X, W.t(), out=out))
+            y = self.source.mm_packed(X, out=out, resid=resid)
             if self.bias_cat is not None:
                 y.add_(self.bias_cat)
             if self.a is not None and not self.lora_in_gemm:
@@ -167,7 +165,7 @@ class ProjectionGroup:
         if need_dx:
             if self.packed and not isinstance(dys, (list, tuple)):
                 # one GEMM, K = sum out
-                dx = torch.mm(dys, self.source.get()[:, :self.in_f], out=out)
+                dx = self.source.mm_t_packed(dys, self.in_f, out=out)
             else:
                 dx = self.source.mm_t(0, parts[0], out=out)
                 for i, dy in enumerate(parts[1:], 1):

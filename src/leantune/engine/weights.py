@@ -22,15 +22,23 @@ columns, unless the buffer still holds them for this layer run. So no layer's 16
 lives between its forward and its backward (which dequantises again, except in the last layer,
 whose weights are still in the buffers), and the GEMMs are those of the dense path.
 
-A group with an FP8 base (--precision fp8) runs unpacked (`FP8Source`): each projection's GEMMs
-are its base's FP8 GEMMs (lora/base_weight.FP8Base), reading the e4m3 codes as stored (no
-scratch buffer), and the LoRA term is the 16-bit rank-r product beside them.
+A group with an FP8 base (--precision fp8, `FP8Source`) runs FP8 GEMMs reading the e4m3 codes
+as stored: one each way over the members' codes stacked (`DenseWeights.fp8_packed`: the
+members' buffers become views of one, as 16-bit weights do) where every output size is a
+multiple of 128 (q/k/v and gate/up of the usual shapes), else each projection's own
+(lora/base_weight.FP8Base). The LoRA columns stay out of the FP8 codes: the LoRA term is the
+16-bit rank-r product beside the GEMM. Where dX's kernel reads the codes
+transposed (kernels/fp8_gemm.py), it transposes them into a pooled e4m3 scratch buffer per
+GEMM: one per weight shape, shared by every layer (no second resident copy).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..kernels.fp8 import BLOCK as FP8_BLOCK
+from ..kernels.fp8 import FP8_DTYPE, FP8View, fp8_mm
+from ..kernels.fp8_gemm import transposes
 from ..lora.base_weight import DenseBase
 from .options import EngineOptions
 
@@ -57,6 +65,16 @@ class WeightSource:
 
     def get(self) -> torch.Tensor:
         return self.packed
+
+    def mm_packed(self, X: torch.Tensor, out: torch.Tensor | None = None,
+                  resid: torch.Tensor | None = None) -> torch.Tensor:
+        """resid + X W_packed^T: the whole group in one GEMM (X: the packed input buffer)."""
+        return DenseBase(self.get()).mm(X, out=out, resid=resid)
+
+    def mm_t_packed(self, dy: torch.Tensor, in_f: int,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+        """dy W_cat [n, in]: the group's input gradient in one GEMM (K = sum out)."""
+        return DenseBase(self.get()[:, :in_f]).mm_t(dy, out=out)
 
     @torch.no_grad()
     def write_lora_columns(self, in_f: int, cols: list) -> None:
@@ -152,12 +170,25 @@ class NF4Source(WeightSource):
 
 
 class FP8Source(WeightSource):
-    """A group with at least one FP8 base weight: unpacked (the LoRA columns stay out of the
-    FP8 codes; the adapter's rank-r products run in 16-bit beside the GEMMs), each projection's
-    GEMMs its own base's (FP8 ones for FP8 members: lora/base_weight.FP8Base)."""
+    """A group with at least one FP8 base weight. The LoRA columns stay out of the FP8 codes
+    (the adapter's rank-r products run in 16-bit beside the GEMMs). Packed (`packed`: an
+    FP8View over its members' codes, made once by DenseWeights.fp8_packed), the group runs
+    one FP8 GEMM each way; unpacked, each projection's GEMMs are its own base's (FP8 ones for
+    FP8 members: lora/base_weight.FP8Base)."""
 
-    def __init__(self, mods):
-        super().__init__(mods, None)
+    def __init__(self, mods, pool: ScratchPool, packed: FP8View | None = None):
+        super().__init__(mods, packed)
+        self.pool = pool
+
+    def get(self):
+        raise RuntimeError("an FP8 group runs its own GEMMs (mm_packed / mm_t_packed)")
+
+    def mm_packed(self, X, out=None, resid=None):
+        return fp8_mm(X, self.packed, out=out, resid=resid)
+
+    def mm_t_packed(self, dy, in_f, out=None):
+        return fp8_mm(dy, self.packed, transpose=True, out=out,
+                      scratch=fp8_dx_scratch(self.pool, self.packed.shape, self.packed.device))
 
     def dense(self, i: int) -> torch.Tensor:
         raise RuntimeError("an FP8 base runs its own GEMMs (mm / mm_t), not a dense weight's")
@@ -166,7 +197,20 @@ class FP8Source(WeightSource):
         return self.mods[i].base.mm(x, out=out, resid=resid)
 
     def mm_t(self, i, dy, out=None, accumulate=False):
-        return self.mods[i].base.mm_t(dy, out=out, accumulate=accumulate)
+        base = self.mods[i].base
+        if base.kind != "fp8":
+            return base.mm_t(dy, out=out, accumulate=accumulate)
+        return base.mm_t(dy, out=out, accumulate=accumulate,
+                         scratch=fp8_dx_scratch(self.pool, base.shape, base.device))
+
+
+def fp8_dx_scratch(pool: ScratchPool, shape: tuple[int, int],
+                   device: torch.device) -> torch.Tensor | None:
+    """The shared e4m3 [in, out] buffer dX's kernel transposes an [out, in] weight's codes into,
+    where it does (kernels/fp8_gemm.transposes), else None."""
+    if not transposes(device):
+        return None
+    return pool.buffer((shape[1], shape[0]), FP8_DTYPE, device)
 
 
 def _dense_into(m, out: torch.Tensor) -> None:
@@ -186,7 +230,7 @@ class DenseWeights:
     def source(self, mods, dtype: torch.dtype, pack: bool) -> WeightSource:
         """The weights of projections `mods` (one input), packed where `pack` and possible."""
         if any(m.fp8 is not None for m in mods):
-            return FP8Source(mods)
+            return FP8Source(mods, self.scratch, self.fp8_packed(mods) if pack else None)
         if any(m.nf4 is not None for m in mods):
             shape = self.layout(mods)[0] if pack and self.packable(mods) else None
             return NF4Source(mods, self.scratch, dtype, shape)
@@ -212,6 +256,35 @@ class DenseWeights:
             or (m.weight is not None and m.weight.requires_grad)
             or m.in_features != m0.in_features or m.base_dtype != m0.base_dtype
             or m.base_device != m0.base_device for m in mods)
+
+    def fp8_packed(self, mods) -> FP8View | None:
+        """The packed FP8 weight of projections reading one input: their codes [sum out, in]
+        and block scales as one FP8View (made, or remade, on first use), or None where packing
+        is off or impossible (a member not FP8, mixed input sizes or compute dtypes, an output
+        size not a multiple of 128: its last scale block would straddle two projections).
+
+        As for 16-bit weights, the members' buffers become views into the packed ones (no
+        copy kept) and the modules hold only the layout; the view is rebuilt from their
+        storage at each call."""
+        m0 = mods[0]
+        if not self.options.pack_projections or len(mods) < 2 or any(
+                m.fp8 is None or m.in_features != m0.in_features or m.fp8.dtype != m0.fp8.dtype
+                or m.out_features % FP8_BLOCK for m in mods):
+            return None
+        shape = (sum(m.out_features for m in mods), m0.in_features)
+        parts = [(m.fp8.data, m.fp8.scale) for m in mods]
+        if getattr(m0, "_lt_fp8_packed_layout", None) == shape:
+            view = FP8View.over(parts, shape, m0.fp8.dtype)
+            if view is not None:
+                return view
+        view = FP8View.packed(parts, shape, m0.fp8.dtype)
+        row = 0
+        for m in mods:  # (the old buffers are freed: no extra memory)
+            m.fp8.data = view.data[row:row + m.out_features]
+            m.fp8.scale = view.scale[row // FP8_BLOCK:(row + m.out_features) // FP8_BLOCK]
+            row += m.out_features
+        m0._lt_fp8_packed_layout = shape
+        return view
 
     def layout(self, mods) -> tuple[tuple[int, int], tuple[int, ...]]:
         """The packed weight's shape [sum out, in + sum r (+ padding)] and each projection's
@@ -277,7 +350,11 @@ def pack_layer(layer, weights: DenseWeights) -> None:
         if not mods:
             continue
         if any(m.fp8 is not None for m in mods):
-            continue  # FP8 GEMMs read the codes as stored: nothing to pack or dequantise into
+            # FP8 GEMMs read the codes as stored (packed where they can be); dX may transpose
+            packed = weights.fp8_packed(mods) if mods is not o else None
+            for q in [packed] if packed is not None else [m.fp8 for m in mods if m.fp8]:
+                fp8_dx_scratch(weights.scratch, q.shape, q.device)
+            continue
         if any(m.nf4 is not None for m in mods):
             pack = mods is not o and weights.packable(mods)  # (o runs unpacked)
             shapes = ([weights.layout(mods)[0]] if pack

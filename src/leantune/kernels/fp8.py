@@ -127,6 +127,11 @@ class FP8Weight(FormatBuffers):
         return self.data.device
 
     @property
+    def numel(self) -> int:
+        """Weights held (what the parameter count counts)."""
+        return self.shape[0] * self.shape[1]
+
+    @property
     def nbytes(self) -> int:
         """Bytes held: one a weight plus the fp32 block scales."""
         return self.data.numel() + self.scale.numel() * 4
@@ -155,6 +160,44 @@ class FP8Weight(FormatBuffers):
         return w if out is None else out.copy_(w)
 
 
+class FP8View:
+    """The codes and block scales of several FP8 weights stacked by rows ([sum out, in]; each
+    member's rows a multiple of 128), as one weight for one GEMM: views of one storage, which
+    the members' own buffers also view (engine/weights.DenseWeights.fp8_packed)."""
+
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
+        self.data, self.scale, self.dtype = data, scale, dtype
+        self.shape = tuple(data.shape)
+
+    device = FP8Weight.device
+    nbytes = FP8Weight.nbytes
+    dequantize = FP8Weight.dequantize
+
+    @classmethod
+    def packed(cls, parts, shape, dtype) -> "FP8View":
+        """New buffers holding `parts` ((codes, scales) per member) stacked."""
+        return cls(torch.cat([d for d, _ in parts]), torch.cat([s for _, s in parts]), dtype)
+
+    @classmethod
+    def over(cls, parts, shape, dtype) -> "FP8View | None":
+        """The view of `shape` over the storage `parts` already share, stacked in order, or
+        None where they do not (moved, replaced)."""
+        views = []
+        for i in (0, 1):
+            t0 = parts[0][i]
+            storage, offset = t0.untyped_storage(), 0
+            for p in parts:
+                t = p[i]
+                if (t.untyped_storage().data_ptr() != storage.data_ptr()
+                        or t.storage_offset() != offset or not t.is_contiguous()):
+                    return None
+                offset += t.numel()
+            rows = shape[0] if i == 0 else shape[0] // BLOCK
+            views.append(torch.empty(0, dtype=t0.dtype, device=t0.device).set_(
+                storage, 0, (rows, t0.shape[1]), (t0.shape[1], 1)))
+        return cls(views[0], views[1], dtype)
+
+
 # ------------------------------------------------------------------------------------------------
 # the GEMMs: emulation (reference) and dispatch
 # ------------------------------------------------------------------------------------------------
@@ -168,21 +211,23 @@ def fp8_mm_reference(x: torch.Tensor, w: FP8Weight, transpose: bool = False) -> 
 
 
 def fp8_mm(x: torch.Tensor, w: FP8Weight, transpose: bool = False,
-           out: torch.Tensor | None = None, resid: torch.Tensor | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, resid: torch.Tensor | None = None,
+           scratch: torch.Tensor | None = None) -> torch.Tensor:
     """resid + x W^T (transpose=False; x [n, in]) or resid + x W (transpose=True; x [n, out]),
     into `out` when given: the Triton kernel (kernels/fp8_gemm.py: activation quantised in the
-    GEMM) where the kernels run, else the emulation."""
+    GEMM; `scratch`, an e4m3 [in, out] buffer for dX's transposed codes) where the kernels run,
+    else the emulation."""
     from .dispatch import use_triton
 
     if use_triton(x) and not emulating():
         from .fp8_gemm import fp8_gemm
 
-        return fp8_gemm(x, w, transpose=transpose, out=out, resid=resid)
+        return fp8_gemm(x, w, transpose=transpose, out=out, resid=resid, scratch=scratch)
     y = fp8_mm_reference(x, w, transpose)
     if resid is not None:
         y = y + resid
     return y if out is None else out.copy_(y)
 
 
-__all__ = ["BLOCK", "FP8Weight", "FP8_DTYPE", "FP8_MAX", "block_dequantize", "block_quantize", "block_scales",
+__all__ = ["BLOCK", "FP8View", "FP8Weight", "FP8_DTYPE", "FP8_MAX", "block_dequantize", "block_quantize", "block_scales",
            "emulating", "fake_quantize_rows", "fp8_mm", "fp8_mm_reference", "fp8_unsupported"]

@@ -14,7 +14,10 @@ The two GEMMs of a frozen LoRA base read one stored weight W [out, in] (codes an
 The backward's B is N-major. Where the GPU's FP8 MMA wants K-major operands the Triton compiler
 lays the tile out in shared memory; `dx_layout="transpose"` instead transposes W's codes into a
 scratch buffer [in, out] first (one per GEMM, the caller's buffer when given: no second
-resident copy) and runs the forward orientation. bench/gpu_fp8.py measures both.
+resident copy) and runs the forward orientation: the default, as Hopper's FP8 wgmma reads
+K-major operands only; LEANTUNE_FP8_DX=direct (or set_dx_layout) switches; bench/gpu_fp8.py
+measures both. The engine's scratch buffers for it are shared by every layer
+(engine/weights.ScratchPool) and allocated before memory is measured.
 
 Under TRITON_INTERPRET=1 (the tests) the interpreter runs the kernel on the CPU, e4m3 included.
 """
@@ -35,7 +38,7 @@ except ImportError:  # the package works without Triton (the emulation only)
 
 # "direct": dX reads W as it is stored; "transpose": through a transposed scratch copy
 DX_LAYOUTS = ("direct", "transpose")
-_dx_layout = os.environ.get("LEANTUNE_FP8_DX", "direct")
+_dx_layout = os.environ.get("LEANTUNE_FP8_DX", "transpose")
 
 
 def set_dx_layout(name: str) -> None:
@@ -63,13 +66,15 @@ if triton is not None:
         return tl.where(tl.abs(v) < 0.015625, sub, normal)
 
     @triton.jit
-    def _fp8_gemm_kernel(A, B, SB, C, R, M, N, K,
+    def _fp8_gemm_kernel(A, B, SB, C, R, M, N, K, M_KEY,
                          stride_am, stride_ak, stride_bk, stride_bn, stride_sk, stride_sn,
                          stride_cm, stride_cn, stride_rm, stride_rn,
                          HAS_R: tl.constexpr, ROUND_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         """C[M, N] = R + A[M, K] B[K, N] (module docstring); B e4m3 with block scales SB
-        [ceil(K / 128), ceil(N / 128)]; BLOCK_K = 128 (one scale block a step)."""
+        [ceil(K / 128), ceil(N / 128)]; BLOCK_K = 128 (one scale block a step). M_KEY: M
+        rounded up to a power of two, the autotuner's key (unused here), so that prompts of
+        other lengths reuse one tuning."""
         pid = tl.program_id(0)
         num_m = tl.cdiv(M, BLOCK_M)
         num_n = tl.cdiv(N, BLOCK_N)
@@ -108,12 +113,43 @@ if triton is not None:
 
 
 
-def _tiles(device: torch.device) -> dict:
-    """Tile sizes: 128 x 128 on the GPU, small in the interpreter (fast tests, several
-    programs)."""
-    if device.type == "cuda":
-        return dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3)
-    return dict(BLOCK_M=32, BLOCK_N=64, GROUP_M=2)
+if triton is not None:
+    # On the GPU the tile shape is tuned per (M, N, K) on first use (C is restored after each
+    # trial: it may hold the residual the kernel adds to).
+    # Few rows (decoding: M = the batch) take the small-M tiles alone: the GEMM then streams
+    # the e4m3 weight, half the bytes of bf16.
+    _CUDA_CONFIGS = [triton.Config(dict(BLOCK_M=m, BLOCK_N=n, GROUP_M=8), num_warps=w,
+                                   num_stages=st)
+                     for m, n, w, st in ((128, 128, 8, 3), (128, 256, 8, 3), (128, 128, 4, 4),
+                                         (64, 256, 8, 3), (256, 128, 8, 3), (64, 128, 4, 4),
+                                         (16, 128, 4, 4), (16, 64, 4, 4), (32, 128, 4, 4))]
+
+    def _prune(configs, named_args, **kwargs):
+        """Tiles no taller than the rows need (at least 16, tl.dot's least)."""
+        rows = max(16, named_args["M_KEY"])
+        fit = [c for c in configs if c.kwargs["BLOCK_M"] <= rows]
+        small = [c for c in fit if c.kwargs["BLOCK_M"] <= 32]
+        return small if rows <= 32 else [c for c in fit if c.kwargs["BLOCK_M"] >= 64] or fit
+
+    _fp8_gemm_tuned = triton.autotune(_CUDA_CONFIGS, key=["M_KEY", "N", "K", "HAS_R"],
+                                      prune_configs_by={"early_config_prune": _prune},
+                                      restore_value=["C"])(_fp8_gemm_kernel)
+
+
+def transposes(device: torch.device) -> bool:
+    """Whether dX GEMMs on `device` read the weight through a transposed scratch copy (the
+    kernel runs there and the dX layout is "transpose")."""
+    from .dispatch import use_triton
+    from .fp8 import emulating
+
+    return (_dx_layout == "transpose" and not emulating()
+            and use_triton(torch.empty(0, device=device)))
+
+
+# the interpreter's tiles: small (fast tests, several programs); LEANTUNE_FP8_TUNE=0 uses them
+# on the GPU too, as 128 x 128 (no autotuning)
+_FIXED_TILES = dict(BLOCK_M=32, BLOCK_N=64, GROUP_M=2)
+_GPU_TILES = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3)
 
 
 def transpose_codes(w: FP8Weight, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -152,12 +188,20 @@ def fp8_gemm(x: torch.Tensor, w: FP8Weight, transpose: bool = False,
         strides_b = (b.stride(0), b.stride(1))
         strides_s = (s.stride(0), s.stride(1))
     r = resid if resid is not None else out
-    t = _tiles(x.device)
-    grid = (triton.cdiv(M, t["BLOCK_M"]) * triton.cdiv(N, t["BLOCK_N"]),)
-    _fp8_gemm_kernel[grid](x, b, s, out, r, M, N, K, x.stride(0), x.stride(1), *strides_b,
-                           *strides_s, out.stride(0), out.stride(1), r.stride(0), r.stride(1),
-                           HAS_R=resid is not None, ROUND_FP32=not x.is_cuda,
-                           BLOCK_K=BLOCK, **t)
+    args = (x, b, s, out, r, M, N, K, triton.next_power_of_2(M), x.stride(0), x.stride(1),
+            *strides_b, *strides_s,
+            out.stride(0), out.stride(1), r.stride(0), r.stride(1))
+
+    def grid(meta):
+        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+
+    flags = dict(HAS_R=resid is not None, ROUND_FP32=not x.is_cuda, BLOCK_K=BLOCK)
+    if not x.is_cuda:
+        _fp8_gemm_kernel[grid](*args, **flags, **_FIXED_TILES)
+    elif os.environ.get("LEANTUNE_FP8_TUNE", "1") == "0":
+        _fp8_gemm_kernel[grid](*args, **flags, **_GPU_TILES)
+    else:
+        _fp8_gemm_tuned[grid](*args, **flags)
     return out
 
 

@@ -115,9 +115,10 @@ class FP8Base(BaseWeight):
     def mm(self, x, out=None, resid=None):
         return fp8_mm(x, self.store, transpose=False, out=out, resid=resid)
 
-    def mm_t(self, dy, out=None, accumulate=False):
+    def mm_t(self, dy, out=None, accumulate=False, scratch=None):
+        """(scratch: an e4m3 [in, out] buffer the kernel may transpose the codes into.)"""
         return fp8_mm(dy, self.store, transpose=True, out=out,
-                      resid=out if accumulate else None)
+                      resid=out if accumulate else None, scratch=scratch)
 
 
 def wrap(q: torch.Tensor | NF4Weight | FP8Weight) -> BaseWeight:

@@ -17,12 +17,13 @@ def count_parameters(model: torch.nn.Module,
                      trainable: Iterable[torch.Tensor] | None = None) -> tuple[int, int]:
     """(trainable, total) parameter counts of `model`. `trainable`: the tensors trained (default
     those with requires_grad); total: every parameter, each shared tensor once (tied
-    embeddings), plus the real size of each NF4 weight."""
+    embeddings), plus the real size of each NF4 (or FP8) weight."""
+    from ..kernels.fp8 import FP8Weight
     from ..kernels.nf4 import NF4Weight
 
     params = list(model.parameters())  # (deduplicated by the module tree)
     chosen = [p for p in params if p.requires_grad] if trainable is None else list(trainable)
     n_train = sum(p.numel() for p in {id(p): p for p in chosen}.values())
     n_all = sum(p.numel() for p in params)
-    n_all += sum(m.numel for m in model.modules() if isinstance(m, NF4Weight))
+    n_all += sum(m.numel for m in model.modules() if isinstance(m, (NF4Weight, FP8Weight)))
     return n_train, n_all

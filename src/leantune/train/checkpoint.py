@@ -237,7 +237,7 @@ def read_state(path: Path, required: tuple = ("step",)) -> dict:
 # max_seq_len and seed are checked by the data loader.)
 RESUME_MUST_MATCH = ("grad_accum", "lr", "weight_decay", "warmup_steps", "schedule",
                      "max_grad_norm", "dtype", "train_on_inputs", "router_aux_loss_coef",
-                     "load_in_4bit", "full", "lora_alpha", "use_rslora", "adapter")
+                     "load_in_4bit", "full", "lora_alpha", "use_rslora", "adapter", "precision")
 # (--lora-r and --lora-targets change the shapes: the checkpoint loader names the parameter)
 
 

@@ -1,0 +1,380 @@
+"""Issue 23: FP8 for the frozen base. Two parts, one table last.
+
+(a) GEMMs: M = --tokens (8192) rows against the Llama-3.1-8B projections (q/o 4096 x 4096, k/v
+    1024 x 4096, gate/up 14336 x 4096, down 4096 x 14336): forward Y = X W^T and input gradient
+    dX = dY W, in bf16 (cuBLAS) and in FP8 (kernels/fp8_gemm.py: e4m3 weights with 128 x 128
+    block scales, the bf16 activation quantised per 1 x 128 block inside the kernel; dX with the
+    codes transposed into a scratch buffer and read as stored). TFLOP/s, and the error against
+    the fp32 product of the same bf16 operands: ||Y - Y_fp32|| / ||Y_fp32|| for bf16 and FP8.
+    For reference, torch._scaled_mm (rowwise scales, where this torch has it) with the
+    activation quantised by a separate PyTorch amax pass, the cost the issue measured.
+(b) Steps: the Llama-3.1-8B shape, --rows x --seq tokens (4 x 2048), LoRA r16 alpha16 on every
+    projection, random weights, fused AdamW; leantune bf16 and --precision fp8 under their
+    activation policies (default bf16 auto@17, fp8 auto@12 and auto@17); tok/s (median of
+    --steps after --warmup) and peak GiB (torch.cuda.max_memory_allocated over the steps).
+(c) Loss (--parts loss): --loss-steps (100) at --lr (2e-4) on bench/loss_curve.py's documents,
+    bf16 vs fp8 from one init, beside the bf16 noise floor (bf16 through the autograd layers
+    against the fused ones): the issue's bar is a mean gap within 3x the floor.
+(d) Decoding (--parts decode): batch-1 greedy tok/s, bf16 vs the same model's FP8 weights.
+
+    python bench/gpu_fp8.py                 # both parts on the GPU (~3 min on an H200)
+    python bench/gpu_fp8.py --parts gemm    # (a) only
+    python bench/gpu_fp8.py --parts loss    # (c): 100 steps at lr 2e-4, Llama-3.2-1B shape
+    python bench/gpu_fp8.py --parts decode  # (d): batch-1 decoding, bf16 vs FP8 weights
+    python bench/gpu_fp8.py --tiny          # the same code paths on the CPU in seconds: the
+                                            # Triton kernel in the interpreter, the step emulated
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+if "--tiny" in sys.argv:  # the kernel in the interpreter, the step's FP8 GEMMs emulated
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("LEANTUNE_FP8_EMULATE", "1")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from harness import (H200_BF16_FLOPS, flops_per_token, leantune_model, median,  # noqa: E402
+                     peak_gib, record, reset_peak, step_times, sync)
+from shapes import SHAPES  # noqa: E402
+from speed import random_batch  # noqa: E402
+
+from leantune import kernels  # noqa: E402
+from leantune.kernels import fp8_gemm  # noqa: E402
+from leantune.kernels.fp8 import (FP8_DTYPE, FP8_MAX, FP8Weight, block_quantize,  # noqa: E402
+                                  fp8_mm_reference)
+
+# Llama-3.1-8B's projections, (out, in)
+PROJECTIONS = {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (14336, 4096),
+               "down": (4096, 14336)}
+TINY_PROJECTIONS = {"q/o": (64, 64), "k/v": (32, 64), "gate/up": (160, 64), "down": (64, 160)}
+
+
+def time_ms(fn, device, n: int = 20, warm: int = 3) -> float:
+    """Mean ms of fn() (CUDA events on the GPU; the host clock on the CPU)."""
+    if device.type == "cuda":
+        from harness import mean_ms
+
+        return mean_ms(fn, n, warm)
+    return 1e3 * median(step_times(fn, 1, 2, device))
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float() - ref).norm() / ref.norm()).item()
+
+
+def scaled_mm_rowwise(x: torch.Tensor, w8: torch.Tensor, sw: torch.Tensor):
+    """torch._scaled_mm with rowwise scales, the activation quantised by plain PyTorch ops (the
+    separate amax pass the issue measured): x [M, K] bf16, w8 [N, K] e4m3, sw [1, N] fp32."""
+    amax = x.abs().amax(1, keepdim=True).float().clamp(min=1e-12)
+    sx = amax / FP8_MAX
+    x8 = (x / sx).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16)
+
+
+def gemm_part(args, device) -> list[dict]:
+    rows = []
+    dtype = torch.bfloat16
+    g = torch.Generator(device=device).manual_seed(0)
+    shapes = TINY_PROJECTIONS if args.tiny else PROJECTIONS
+    M = args.tokens
+    backend = "triton"  # (the interpreter on the CPU: TRITON_INTERPRET=1 under --tiny)
+    for name, (N, K) in shapes.items():
+        w = torch.empty(N, K, device=device, dtype=dtype).normal_(0, 0.02, generator=g)
+        x = torch.empty(M, K, device=device, dtype=dtype).normal_(0, 1, generator=g)
+        dy = torch.empty(M, N, device=device, dtype=dtype).normal_(0, 1e-3, generator=g)
+        q = FP8Weight((N, K), dtype, device=device).quantize_(w)
+        scratch = torch.empty(K, N, dtype=FP8_DTYPE, device=device)
+        flops = 2 * M * N * K
+        y32, dx32 = x.float() @ w.float().t(), dy.float() @ w.float()
+        row = dict(shape=name, M=M, N=N, K=K)
+        bf_f = time_ms(lambda: torch.mm(x, w.t()), device)
+        bf_b = time_ms(lambda: torch.mm(dy, w), device)
+        row.update(bf16_fwd_tflops=flops / bf_f / 1e9, bf16_dx_tflops=flops / bf_b / 1e9,
+                   bf16_fwd_err=rel_err(x @ w.t(), y32), bf16_dx_err=rel_err(dy @ w, dx32))
+        try:
+            fp8_gemm.fp8_gemm(x[:128], q)  # (compiles: a kernel this GPU refuses is one record)
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            record("fp8_gemm", **row)
+            rows.append(row)
+            continue
+        with kernels.backend(backend):
+            f8_f = time_ms(lambda: fp8_gemm.fp8_gemm(x, q), device)
+            row.update(fp8_fwd_tflops=flops / f8_f / 1e9,
+                       fp8_fwd_err=rel_err(fp8_gemm.fp8_gemm(x, q), y32))
+            for layout in fp8_gemm.DX_LAYOUTS:
+                fp8_gemm.set_dx_layout(layout)
+                try:  # (a layout the compiler refuses on this GPU: recorded, the rest goes on)
+                    ms = time_ms(lambda: fp8_gemm.fp8_gemm(dy, q, transpose=True,
+                                                           scratch=scratch), device)
+                    row[f"fp8_dx_{layout}_tflops"] = flops / ms / 1e9
+                    row[f"fp8_dx_{layout}_err"] = rel_err(
+                        fp8_gemm.fp8_gemm(dy, q, transpose=True, scratch=scratch), dx32)
+                except Exception as e:
+                    row[f"fp8_dx_{layout}_tflops"] = None
+                    row[f"fp8_dx_{layout}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            fp8_gemm.set_dx_layout("transpose")
+            # the kernel against the PyTorch emulation of the same quantisation (the CPU tests'
+            # reference): equal up to fp32 summation order and the bf16 output's rounding
+            row["kernel_vs_emulation"] = max(
+                rel_err(fp8_gemm.fp8_gemm(x, q), fp8_mm_reference(x, q).float()),
+                rel_err(fp8_gemm.fp8_gemm(dy, q, transpose=True, scratch=scratch),
+                        fp8_mm_reference(dy, q, transpose=True).float()))
+        dx_best = max(row["fp8_dx_transpose_tflops"] or 0, row["fp8_dx_direct_tflops"] or 0)
+        row["fwd_plus_dx_speedup"] = ((bf_f + bf_b) / (f8_f + flops / dx_best / 1e9)
+                                      if dx_best else None)
+        if device.type == "cuda" and hasattr(torch, "_scaled_mm"):
+            try:
+                w8, sw = block_quantize(w, 1)  # rowwise: one scale per output row
+                sw = sw.view(1, -1).contiguous()
+                ms = time_ms(lambda: scaled_mm_rowwise(x, w8, sw), device)
+                row.update(scaled_mm_rowwise_plus_quant_tflops=flops / ms / 1e9,
+                           scaled_mm_rowwise_err=rel_err(scaled_mm_rowwise(x, w8, sw), y32))
+            except Exception as e:  # (a torch without rowwise _scaled_mm on this GPU)
+                row["scaled_mm_error"] = f"{type(e).__name__}: {str(e)[:160]}"
+        record("fp8_gemm", **row)
+        rows.append(row)
+        del w, x, dy, q, scratch, y32, dx32
+        reset_peak(device)
+    return rows
+
+
+def trainer_step(model, batch, policy: str, precision: str, steps: int, device):
+    """A Trainer over `model` (--precision `precision`, which quantises its projections to FP8
+    in place) under `policy` (keep | recompute | offload | auto | auto@GiB) and its step."""
+    from leantune.train.config import TrainConfig
+    from leantune.train.trainer import Trainer
+
+    activations, _, budget = policy.partition("@")
+    cfg = TrainConfig(output=tempfile.mkdtemp(), max_seq_len=batch.input_ids.shape[1],
+                      batch_size=batch.input_ids.shape[0], lr=1e-4, warmup_steps=0,
+                      max_steps=steps, progress=False, eval_every=0, lora_r=16, lora_alpha=16,
+                      overwrite=True, device=str(device),
+                      dtype="bfloat16" if device.type == "cuda" else "float32",
+                      activations=activations, max_memory_gib=float(budget) if budget else None,
+                      precision=precision)
+    docs = [(batch.input_ids[0].tolist(), batch.labels[0].tolist())]
+    trainer = Trainer(cfg, model=model, train_data=docs, log=lambda *a: None)
+    on_device = batch.to(device)
+    return trainer, lambda: trainer.train_step([on_device])
+
+
+def step_part(args, device) -> list[dict]:
+    from leantune.engine import detach
+
+    shape = "tiny" if args.tiny else args.shape
+    cfg_model = None
+    batch = None
+    rows = []
+    for precision, policies in (("bf16", args.bf16), ("fp8", args.fp8)):
+        for policy in policies:
+            model = leantune_model(shape, device,
+                                   torch.bfloat16 if device.type == "cuda" else torch.float32)
+            cfg_model = model.config
+            batch = batch or random_batch(cfg_model.vocab_size, args.rows, args.seq)
+            tokens = batch.input_ids.numel()
+            row = dict(shape=shape, precision=precision, policy=policy)
+            try:
+                trainer, step = trainer_step(model, batch, policy, precision, args.steps, device)
+                reset_peak(device)
+                t = median(step_times(step, args.warmup, args.steps, device))
+                row.update(plan=trainer.activation_policy, tok_s=tokens / t, step_s=t,
+                           peak_gib=peak_gib(device),
+                           mfu=flops_per_token(cfg_model, batch.input_ids.shape[1]) * tokens
+                           / t / H200_BF16_FLOPS)
+                del trainer, step
+            except Exception as e:  # OOM or a budget no plan fits: record it and go on
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            record("fp8_step", **row)
+            rows.append(row)
+            detach(model)
+            del model
+            reset_peak(device)
+    best = {p: max((r.get("tok_s", 0) for r in rows if r["precision"] == p), default=0)
+            for p in ("bf16", "fp8")}
+    if best["bf16"] and best["fp8"]:
+        record("fp8_step", shape=shape, ratio_fp8_vs_bf16=best["fp8"] / best["bf16"])
+    return rows
+
+
+def loss_part(args, device) -> list[dict]:
+    """(c) --loss-steps steps at lr --lr on bench/loss_curve.py's documents (packed rows of
+    --seq, --rows a step), one base and one LoRA init: leantune bf16, bf16 through the autograd
+    layers (another kernel order of the same math: the bf16 noise floor) and --precision fp8.
+    Per step |loss - bf16 loss| / bf16 loss."""
+    import json
+
+    from loss_curve import make_documents
+
+    shape = "tiny" if args.tiny else args.loss_shape
+    tiny = args.tiny
+    vocab = SHAPES[shape]["vocab_size"]
+    docs = make_documents(40 if tiny else 600, vocab, seed=1, hi=min(args.seq, 1024),
+                          lo=8 if tiny else 64)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    curves = {}
+    for name, precision, fused in (("bf16", "bf16", True), ("bf16-autograd", "bf16", False),
+                                   ("fp8", "fp8", True)):
+        from leantune.train.config import TrainConfig
+        from leantune.train.trainer import Trainer
+
+        out = Path(tempfile.mkdtemp())
+        cfg = TrainConfig(output=str(out), max_seq_len=args.seq, batch_size=args.rows,
+                          lr=args.lr, warmup_steps=3, max_steps=args.loss_steps, seed=0,
+                          progress=False, eval_every=0, lora_r=16, lora_alpha=16, overwrite=True,
+                          device=str(device), fused_layers=fused, precision=precision,
+                          activations="auto" if device.type == "cuda" else "keep",
+                          dtype=str(dtype).replace("torch.", ""))
+        model = leantune_model(shape, device, dtype=dtype)  # (the same weights each time)
+        trainer = Trainer(cfg, model=model, train_data=docs, log=lambda *a: None)
+        trainer.train()
+        curves[name] = [json.loads(line)["loss"] for line in open(out / "metrics.jsonl")
+                        if '"loss"' in line]
+        del trainer, model
+        reset_peak(device)
+    ref = curves["bf16"]
+
+    def gaps(other):
+        return [abs(a - b) / abs(b) for a, b in zip(other, ref)]
+
+    g8, floor = gaps(curves["fp8"]), gaps(curves["bf16-autograd"])
+    row = dict(shape=shape, steps=len(ref), lr=args.lr, fp8_mean_rel_gap=sum(g8) / len(g8),
+               fp8_max_rel_gap=max(g8), floor_mean_rel_gap=sum(floor) / len(floor),
+               floor_max_rel_gap=max(floor), first_last={k: [v[0], v[-1]]
+                                                        for k, v in curves.items()},
+               curves=curves)
+    row["within_3x_floor"] = row["fp8_mean_rel_gap"] <= 3 * row["floor_mean_rel_gap"]
+    record("fp8_loss", **row)
+    return [row]
+
+
+def decode_part(args, device) -> list[dict]:
+    """(d) Batch-1 greedy decoding (leantune.generate, CUDA graphs on the GPU): a random prompt
+    of 128 tokens, --new-tokens new ones (EOS off), the --shape model in bf16, then with its
+    projections quantised to FP8 (the same GEMM kernel: a decode step streams the e4m3 weights,
+    half the bytes). tok/s of new tokens, median of 3 calls after a warm-up (which tunes and
+    captures)."""
+    import time
+
+    import leantune
+    from leantune.lora.base_weight import quantize_fp8_
+
+    shape = "tiny" if args.tiny else args.shape
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = leantune_model(shape, device, dtype).eval()
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randint(0, model.config.vocab_size, (1, 128 if not args.tiny else 8),
+                         generator=g).tolist()
+    out = []
+    for precision in ("bf16", "fp8"):
+        if precision == "fp8":
+            quantize_fp8_(model)
+
+        def run():
+            return leantune.generate(model, None, rows, max_new_tokens=args.new_tokens,
+                                     eos_token_ids=[], cuda_graphs=device.type == "cuda")
+
+        row = dict(shape=shape, precision=precision, batch=1, new_tokens=args.new_tokens)
+        try:
+            run()
+            times = []
+            for _ in range(3):
+                sync(device)
+                t0 = time.perf_counter()
+                run()
+                sync(device)
+                times.append(time.perf_counter() - t0)
+            row["tok_s"] = args.new_tokens / median(times)
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        record("fp8_decode", **row)
+        out.append(row)
+    del model
+    reset_peak(device)
+    return out
+
+
+def _f(v, fmt="{:.4g}"):
+    return "-" if v is None else fmt.format(v)
+
+
+def print_table(gemms: list[dict], steps: list[dict], losses: list[dict] = (),
+                decodes: list[dict] = ()) -> None:
+    if gemms:
+        print("\nGEMM    M x N x K        TFLOP/s: bf16 fwd / dX | fp8 fwd / dX(T) / dX(direct)"
+              " | fwd+dX speedup (best dX) | rel err bf16 / fp8 | kernel vs emul. | _scaled_mm+quant")
+        for r in gemms:
+            if "error" in r:
+                print(f"{r['shape']:<7} error: {r['error'][:100]}")
+                continue
+            check = "ok" if r["kernel_vs_emulation"] < 1e-2 else "FAIL"
+            print(f"{r['shape']:<7} {r['M']}x{r['N']}x{r['K']:<9} "
+                  f"{_f(r['bf16_fwd_tflops']):>7} / {_f(r['bf16_dx_tflops']):<7} | "
+                  f"{_f(r['fp8_fwd_tflops']):>7} / {_f(r['fp8_dx_transpose_tflops'])} / "
+                  f"{_f(r['fp8_dx_direct_tflops'])} | {_f(r['fwd_plus_dx_speedup'], '{:.2f}')}x | "
+                  f"{r['bf16_fwd_err']:.1e} / {r['fp8_fwd_err']:.1e} | "
+                  f"{r['kernel_vs_emulation']:.1e} {check} | "
+                  f"{_f(r.get('scaled_mm_rowwise_plus_quant_tflops'))}")
+    if steps:
+        print("\nstep  shape         precision  policy     tok/s     peak GiB   plan")
+        for r in steps:
+            if "error" in r:
+                print(f"      {r['shape']:<13} {r['precision']:<10} {r['policy']:<10} "
+                      f"error: {r['error'][:80]}")
+                continue
+            print(f"      {r['shape']:<13} {r['precision']:<10} {r['policy']:<10} "
+                  f"{r['tok_s']:>8.0f}  {_f(r['peak_gib'], '{:.2f}'):>9}   {r['plan'][:60]}")
+    for r in decodes:
+        print(f"decode {r['shape']} batch 1 {r['precision']:<5} "
+              + (f"{r['tok_s']:.1f} tok/s" if "tok_s" in r else f"error: {r['error'][:80]}"))
+    for r in losses:
+        print(f"\nloss  {r['shape']} {r['steps']} steps lr {r['lr']:g}: fp8 vs bf16 mean "
+              f"{r['fp8_mean_rel_gap']:.2e} (max {r['fp8_max_rel_gap']:.2e}); bf16 noise floor "
+              f"mean {r['floor_mean_rel_gap']:.2e} (max {r['floor_max_rel_gap']:.2e}); within "
+              f"3x floor: {'yes' if r['within_3x_floor'] else 'NO'}")
+
+
+def main():
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
+    ap.add_argument("--parts", nargs="+", default=["gemm", "step"],
+                    choices=["gemm", "step", "loss", "decode"])
+    ap.add_argument("--new-tokens", type=int, default=256, help="decode: new tokens")
+    ap.add_argument("--loss-shape", default="llama-3.2-1b", choices=sorted(SHAPES))
+    ap.add_argument("--loss-steps", type=int, default=100)
+    ap.add_argument("--lr", type=float, default=2e-4)
+    ap.add_argument("--tiny", action="store_true",
+                    help="CPU, tiny shapes: the kernel in the interpreter, the step emulated")
+    ap.add_argument("--tokens", type=int, default=8192, help="GEMM rows M")
+    ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    ap.add_argument("--bf16", nargs="*", default=["auto@17"], help="bf16 policies")
+    ap.add_argument("--fp8", nargs="*", default=["auto@12", "auto@17"], help="fp8 policies")
+    ap.add_argument("--rows", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--device", default=None)
+    args = ap.parse_args()
+    device = torch.device(args.device or ("cpu" if args.tiny else "cuda"))
+    if args.tiny:
+        args.tokens, args.rows, args.seq, args.warmup, args.steps = 64, 2, 64, 1, 2
+        args.loss_steps, args.new_tokens = min(args.loss_steps, 6), 8
+        args.bf16 = [p.partition("@")[0] if p.startswith("auto") else p for p in args.bf16]
+        args.fp8 = list(dict.fromkeys(p.partition("@")[0] if p.startswith("auto") else p
+                                      for p in args.fp8))
+    gemms = gemm_part(args, device) if "gemm" in args.parts else []
+    sync(device)
+    steps = step_part(args, device) if "step" in args.parts else []
+    losses = loss_part(args, device) if "loss" in args.parts else []
+    decodes = decode_part(args, device) if "decode" in args.parts else []
+    print_table(gemms, steps, losses, decodes)
+
+
+if __name__ == "__main__":
+    main()

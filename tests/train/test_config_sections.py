@@ -114,7 +114,7 @@ def one_line(capsys, *args) -> str:
 
 def test_objective_flags(capsys):
     assert one_line(capsys, "--objective", "rlhf").endswith(
-        "--objective rlhf: no such objective; the objectives are sft, dpo, orpo, simpo, kto")
+        "--objective rlhf: no such objective; the objectives are sft, dpo, orpo, simpo, kto, grpo")
     assert "--beta is a preference-objective setting, and --objective sft (the default) has " \
            "none" in one_line(capsys, "--beta", "0.2")
     assert "--precompute-reference is a preference-objective setting" in one_line(
@@ -130,7 +130,7 @@ def test_objective_flags(capsys):
              "--max-prompt-len must be a positive number of tokens under --max-seq-len 64, got 64"),
             # a setting of another objective: refused, never silently unused
             ("orpo", ["--loss-type", "ipo"],
-             "--loss-type is a setting of --objective dpo, not of --objective orpo"),
+             "--loss-type is a setting of --objective dpo or grpo, not of --objective orpo"),
             ("dpo", ["--simpo-gamma", "1"], "--simpo-gamma is a setting of --objective simpo"),
             ("dpo", ["--desirable-weight", "2"], "--desirable-weight is a setting of --objective kto"),
             ("simpo", ["--precompute-reference"], "--precompute-reference is a setting of "
@@ -145,9 +145,16 @@ def test_objective_flags(capsys):
     assert cfg.objective == ObjectiveSettings("dpo", 0.3, "hinge", 0.0, 0.5, 1.0, 1.0, True, 16)
     cfg = TrainConfig(objective="kto", desirable_weight=2.0, undesirable_weight=0.5).validate()
     assert (cfg.objective.desirable_weight, cfg.objective.undesirable_weight) == (2.0, 0.5)
-    # TRL's defaults
-    assert ObjectiveSettings() == ObjectiveSettings("sft", 0.1, "sigmoid", 0.0, 0.5, 1.0, 1.0,
+    # beta and loss_type default by objective, resolved by validate(): TRL's for the preference
+    # objectives (beta 0.1; the DPO loss then reads None as sigmoid), 0 and dapo for GRPO
+    assert ObjectiveSettings() == ObjectiveSettings("sft", None, None, 0.0, 0.5, 1.0, 1.0,
                                                     False, None)
+    for name in ("dpo", "orpo", "simpo", "kto"):
+        o = TrainConfig(objective=name).validate().objective
+        assert (o.beta, o.label_smoothing, o.simpo_gamma, o.desirable_weight,
+                o.undesirable_weight) == (0.1, 0.0, 0.5, 1.0, 1.0), name
+    o = TrainConfig(objective="grpo", reward=["builtin:exact-answer"]).validate().objective
+    assert (o.beta, o.loss_type) == (0.0, "dapo")
 
 
 def test_train_help_lists_the_objective_flags(capsys):

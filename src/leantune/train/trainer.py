@@ -224,7 +224,8 @@ class Trainer(StepRunner):
                         lora_ranks=lora_ranks(m.layers[0]), autograd=autograd_why is not None,
                         options=options, expert_lora=has_expert_lora(m),
                         reference_pass=getattr(self.objective, "needs_reference", False),
-                        reference_bytes=self.reference_bytes)
+                        reference_bytes=self.reference_bytes,
+                        generation=getattr(self.objective, "generation_shape", None))
         policy = cfg.activations
         if policy == "auto" and cuda:
             fixed = self._fixed_bytes()

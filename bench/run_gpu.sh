@@ -13,8 +13,10 @@
 #          vs full logits), speed-8b (the 8B SFT step alone)
 #          grpo (issue 21's GRPO step, generation + training, Llama-3.2-1B vs TRL's generate +
 #          loss; Qwen3-0.6B and Llama-3.1-8B leantune alone: carry the trl wheel for TRL)
+#          (grpo-1b / grpo-more: its first part / the other two)
 #          fp8 (issue 23: FP8 GEMMs vs bf16 at the 8B projections; the 8B step bf16 vs --precision
 #          fp8; 100 steps' loss fp8 vs bf16 beside the bf16 noise floor; batch-1 decoding)
+#          (fp8-step: the GEMMs and steps; fp8-more: the loss and decoding)
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-bench-out}; export OUT; mkdir -p "$OUT"
@@ -42,8 +44,10 @@ for p in $parts; do
                | tee -a "$OUT/log.txt" | grep -v "^{" | grep -v -i warn | tail -n 12 ;;
     logprobs) timeout 150 python bench/gpu_token_logprobs.py 2>&1 | tee -a "$OUT/log.txt" \
                | grep -v "^{" | tail -n 14 ;;
-    grpo)    timeout 240 python bench/gpu_grpo.py 2>&1 | tee -a "$OUT/log.txt" \
-               | grep -v "^{" | grep -v -i warn | tail -n 6
+    grpo|grpo-1b)
+             timeout ${GRPO_1B_LIMIT:-240} python bench/gpu_grpo.py 2>&1 | tee -a "$OUT/log.txt" \
+               | grep -v "^{" | grep -v -i warn | tail -n 6 ;;&
+    grpo|grpo-more)
              timeout 150 python bench/gpu_grpo.py --shape qwen3-0.6b --no-baseline 2>&1 \
                | tee -a "$OUT/log.txt" | grep -v "^{" | tail -n 3
              timeout 200 python bench/gpu_grpo.py --shape llama-3.1-8b --prompts 4 \
@@ -66,8 +70,10 @@ for p in $parts; do
                | tee -a "$OUT/log.txt" | grep -E "^\{" | cut -c1-300
              timeout 170 python bench/qlora_speed.py --shape llama-3.1-70b --steps 3 --warmup 1 \
                2>&1 | tee -a "$OUT/log.txt" | grep -E "^\{" | cut -c1-300 ;;
-    fp8)     timeout 420 python bench/gpu_fp8.py ${FP8_ARGS:-} 2>&1 | tee -a "$OUT/log.txt" \
-               | grep -v "^{" | tail -n 16
+    fp8|fp8-step)
+             timeout ${FP8_LIMIT:-420} python bench/gpu_fp8.py ${FP8_ARGS:-} 2>&1 \
+               | tee -a "$OUT/log.txt" | grep -v "^{" | tail -n 16 ;;&
+    fp8|fp8-more)
              timeout 300 python bench/gpu_fp8.py --parts loss 2>&1 | tee -a "$OUT/log.txt" \
                | grep -v "^{" | tail -n 3
              timeout 240 python bench/gpu_fp8.py --parts decode 2>&1 | tee -a "$OUT/log.txt" \

@@ -47,6 +47,11 @@ for p in $parts; do
     grpo|grpo-1b)
              timeout ${GRPO_1B_LIMIT:-240} python bench/gpu_grpo.py 2>&1 | tee -a "$OUT/log.txt" \
                | grep -v "^{" | grep -v -i warn | tail -n 6 ;;&
+    grpo-budget)  # issue 21: the real Trainer's GRPO run under --max-memory-gib (peak vs budget)
+             timeout 150 python bench/gpu_grpo_budget.py --shape llama-3.2-1b --budget 4.4 2>&1 \
+               | tee -a "$OUT/log.txt" | grep -v "^{" | tail -n 2
+             timeout 150 python bench/gpu_grpo_budget.py --shape qwen3-0.6b --budget 4.4 2>&1 \
+               | tee -a "$OUT/log.txt" | grep -v "^{" | tail -n 2 ;;
     grpo|grpo-more)
              timeout 150 python bench/gpu_grpo.py --shape qwen3-0.6b --no-baseline 2>&1 \
                | tee -a "$OUT/log.txt" | grep -v "^{" | tail -n 3

@@ -263,7 +263,18 @@ def adapter_config(model, base_model_name: str | None = None) -> dict:
                 ranks[short] = R  # the same update scale: alpha / r (rsLoRA alpha / sqrt r)
                 alphas[short] = cfg.alpha * (R / cfg.r) ** (0.5 if cfg.use_rslora else 1.0)
         d.update(target_modules=names, rank_pattern=ranks, alpha_pattern=alphas)
+    if model.config.family.prefixes:  # a multimodal checkpoint: its language model alone
+        d["target_modules"] = language_model_regex(d["target_modules"])
     return d
+
+
+def language_model_regex(modules: list[str]) -> str:
+    """PEFT's target_modules as a regex (matched against the whole module name) that takes the
+    projections `modules` inside the language model alone: a list of names would also match the
+    vision tower's q_proj ... (Gemma 3), which PEFT would give an untrained LoRA and warn of the
+    adapter keys it misses."""
+    names = "|".join(re.escape(m) for m in modules)
+    return rf"(?:model\.language_model|language_model\.model)\.layers\.\d+\..*\.(?:{names})"
 
 
 def save_adapter(model, out_dir: str | os.PathLike, base_model_name: str | None = None,

@@ -115,6 +115,10 @@ def one_line(capsys, *args) -> str:
 def test_objective_flags(capsys):
     assert one_line(capsys, "--objective", "rlhf").endswith(
         "--objective rlhf: no such objective; the objectives are sft, dpo, orpo, simpo, kto, grpo")
+    assert one_line(capsys, "--objective", "dop").endswith(
+        "--objective dop: no such objective; did you mean dpo?; the objectives are sft, dpo, orpo, "
+        "simpo, kto, grpo")
+    assert "did you mean grpo?" in one_line(capsys, "--objective", "GRPO")
     assert "--beta is a preference-objective setting, and --objective sft (the default) has " \
            "none" in one_line(capsys, "--beta", "0.2")
     assert "--precompute-reference is a preference-objective setting" in one_line(

@@ -27,8 +27,10 @@ def objective_class(name: str) -> type[Objective]:
     """The Objective class `--objective name` picks; one line naming those there are if none."""
     if name not in OBJECTIVES:
         from ...errors import LeantuneError
+        from ...utils.suggest import did_you_mean
 
-        raise LeantuneError(f"--objective {name}: no such objective; the objectives are "
+        raise LeantuneError(f"--objective {name}: no such objective"
+                            f"{did_you_mean(name.lower(), OBJECTIVES, cutoff=0.6)}; the objectives are "
                             f"{', '.join(OBJECTIVES)}")
     return OBJECTIVES[name]
 

@@ -16,7 +16,7 @@ from leantune.kernels.fp8_gemv import GemvConfig, fp8_gemv, fp8_gemv_reference
 
 OUT_F, IN_F = 130, 200  # neither a multiple of 128
 
-CONFIGS = {  # (the interpreter's default, _config_for, is also run: config=None)
+CONFIGS = {  # (the interpreter's default, config_for, is also run: config=None)
     "fma": GemvConfig("fma", 16, 64),
     "fma-split": GemvConfig("fma", 32, 128, split_k=2),
     "dot": GemvConfig("dot", 16, 128),
@@ -135,3 +135,25 @@ def test_gpu_candidates_and_heuristic_fit_the_shapes():
     assert gemv.heuristic(1, 1024, 4096, 132).split_k > 1
     assert gemv.heuristic(1, 28672, 4096, 132).split_k == 1
     assert gemv.heuristic(4, 4096, 4096, 132).loop == "dot"
+
+
+def test_gemv_bench_tiny(tmp_path):
+    """bench/gpu_fp8_gemv.py --tiny runs the GPU bench's code on the CPU: the GEMV, the GEMM
+    and bf16 timed, the GEMV closer to the dequantised product than the GEMM; table last."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, OUT=str(tmp_path), PYTHONPATH=str(root / "src"), OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, str(root / "bench" / "gpu_fp8_gemv.py"), "--tiny",
+                          "--shapes", "k/v"], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    (row,) = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert row["section"] == "fp8_gemv" and (row["M"], row["N"], row["K"]) == (1, 130, 200)
+    assert all(row[f"{k}_us"] > 0 for k in ("gemv", "gemm", "bf16")), row
+    assert row["gemv_err"] < 1e-2 and row["gemv_err"] < row["gemm_err"] < 0.06
+    assert res.stdout.rstrip().splitlines()[-1].lstrip().startswith("k/v")

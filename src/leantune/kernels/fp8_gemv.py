@@ -120,7 +120,7 @@ if triton is not None:
                     part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)),
                                   input_precision="ieee")
                 else:
-                    part = tl.dot(x, tl.trans(w.to(tl.float32).to(x.dtype)))
+                    part = tl.dot(x, tl.trans(w.to(x.dtype)))
                 acc += part * s
             else:
                 s = tl.load(s_row + (rk // 128) * stride_sk, mask=mask_k, other=0.0)
@@ -202,7 +202,7 @@ def fp8_gemv(x: torch.Tensor, w, out: torch.Tensor | None = None,
                          f"needs [1..{GEMV_MAX_ROWS}, {in_f}]")
     out = out if out is not None else torch.empty(x.shape[0], out_f, dtype=x.dtype,
                                                   device=x.device)
-    return _launch(x, w, out, resid, config or _config_for(x, w, out, resid))
+    return _launch(x, w, out, resid, config or config_for(x, w, out, resid))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -239,7 +239,8 @@ def heuristic(M: int, N: int, K: int, sms: int) -> GemvConfig:
 _TUNED: dict[tuple, GemvConfig] = {}
 
 
-def _config_for(x, w, out, resid) -> GemvConfig:
+def config_for(x, w, out, resid) -> GemvConfig:
+    """The launch shape for this call: tuned on first use on the GPU (module docstring)."""
     from .dispatch import sm_count
 
     M, K = x.shape
@@ -263,7 +264,7 @@ def tune(x, w, out_dtype, resid, configs: list[GemvConfig]) -> GemvConfig:
     scratch outputs: the caller's `out` and `resid` are not written)."""
     from .fp8 import FP8View
 
-    copies = _weight_copies(w)
+    copies = rotating_copies(w.data)
     scratch = torch.empty(x.shape[0], w.shape[0], dtype=out_dtype, device=x.device)
     best, best_us = None, math.inf
     for cfg in configs:
@@ -280,13 +281,17 @@ def tune(x, w, out_dtype, resid, configs: list[GemvConfig]) -> GemvConfig:
     return best
 
 
-def _weight_copies(w, min_bytes: int = 256 << 20, most: int = 16) -> list[torch.Tensor]:
-    """w's codes and copies of them (uninitialised: timing does not read values), together at
-    least min_bytes where memory allows, so that timed calls miss L2 as decoding does."""
-    n = max(1, min(most, -(-min_bytes // max(1, w.data.numel()))))
-    copies = [w.data]
+def rotating_copies(t: torch.Tensor, min_bytes: int = 256 << 20,
+                    most: int = 16) -> list[torch.Tensor]:
+    """t and copies of its shape (uninitialised: timing does not read values), together at
+    least min_bytes where memory allows, so that timed calls cycling through them miss L2 as
+    decoding's (each weight read once a token) do. Off CUDA: t alone."""
+    if t.device.type != "cuda":
+        return [t]
+    n = max(1, min(most, -(-min_bytes // max(1, t.numel() * t.element_size()))))
+    copies = [t]
     try:
-        copies += [torch.empty_like(w.data) for _ in range(n - 1)]
+        copies += [torch.empty_like(t) for _ in range(n - 1)]
     except torch.OutOfMemoryError:
         pass
     return copies
@@ -321,5 +326,5 @@ def graph_time_us(calls, device: torch.device, reps: int = 32, trials: int = 3) 
     return best
 
 
-__all__ = ["GEMV_MAX_ROWS", "GemvConfig", "candidates", "fp8_gemv", "fp8_gemv_reference",
-           "gemv_applies", "graph_time_us", "heuristic", "tune"]
+__all__ = ["GEMV_MAX_ROWS", "GemvConfig", "candidates", "config_for", "fp8_gemv",
+           "fp8_gemv_reference", "gemv_applies", "graph_time_us", "heuristic", "rotating_copies", "tune"]

@@ -19,6 +19,7 @@ OUT_F, IN_F = 130, 200  # neither a multiple of 128
 CONFIGS = {  # (the interpreter's default, config_for, is also run: config=None)
     "fma": GemvConfig("fma", 16, 64),
     "fma-split": GemvConfig("fma", 32, 128, split_k=2),
+    "fma_rows-split": GemvConfig("fma_rows", 16, 128, split_k=2),
     "dot": GemvConfig("dot", 16, 128),
     "dot-split": GemvConfig("dot", 64, 64, split_k=2),
     "auto": None,
@@ -53,7 +54,7 @@ def test_gemv_equals_dequantised_product(M, dtype, with_resid):
         want = want + resid.float()
     _close(fp8_gemv_reference(x, q, resid), want, dtype)
     for name, cfg in CONFIGS.items():
-        if cfg is not None and cfg.loop == "fma" and M != 1:
+        if cfg is not None and cfg.loop != "dot" and M != 1:
             continue
         y = fp8_gemv(x, q, resid=resid, config=cfg)
         assert y.shape == (M, OUT_F) and y.dtype == dtype, name
@@ -122,16 +123,16 @@ def test_fp8_mm_routes_few_rows_to_the_gemv_and_agrees_with_the_gemm(monkeypatch
 
 def test_gpu_candidates_and_heuristic_fit_the_shapes():
     """Every timed config keeps BLOCK_N | 128 (one scale row a tile), "dot" tiles BLOCK_K | 128,
-    the fma loop only for one row, splits of >= 512 inputs; the untuned config splits K where
+    the fma loops only for one row, splits of >= 512 inputs; the untuned config splits K where
     the output strips are too few for the GPU."""
     for M, N, K in ((1, 1024, 4096), (1, 4096, 14336), (8, 28672, 4096), (16, 130, 200)):
         cands = gemv.candidates(M, N, K, 132)
         assert cands and len(set(cands)) == len(cands)
         for c in cands:
-            assert BLOCK % c.block_n == 0 and (c.loop == "fma" or BLOCK % c.block_k == 0)
-            assert (c.loop == "fma") <= (M == 1)
+            assert BLOCK % c.block_n == 0 and (c.loop != "dot" or BLOCK % c.block_k == 0)
+            assert (c.loop != "dot") <= (M == 1)
             assert c.split_k == 1 or K >= 512 * c.split_k
-        assert ({c.loop for c in cands} == {"fma", "dot"}) == (M == 1)
+        assert {c.loop for c in cands} == ({"fma", "fma_rows", "dot"} if M == 1 else {"dot"})
     assert gemv.heuristic(1, 1024, 4096, 132).split_k > 1
     assert gemv.heuristic(1, 28672, 4096, 132).split_k == 1
     assert gemv.heuristic(4, 4096, 4096, 132).loop == "dot"

@@ -12,7 +12,8 @@ unquantised x, so the result is the fp32 product x @ dequantize(W)^T up to the o
 (more accurate than the GEMM path, which also rounds x to e4m3). Two inner loops, picked per
 shape by timing (below):
 
-    "fma": M = 1. acc [BLOCK_N, BLOCK_K] += codes * (x * scale)[None, :]; one row sum at the end.
+    "fma": M = 1. acc [BLOCK_N, BLOCK_K] += codes * (x * scale)[None, :]; one row sum at the end
+           ("fma_rows": acc [BLOCK_N] += that row sum each step: fewer registers, more shuffles).
     "dot": M <= 16. tl.dot(x [16, BLOCK_K], codes [BLOCK_K, BLOCK_N]) with the codes cast to
            x's dtype (e4m3 is exact in bf16 / fp16 / fp32; fp32 x: an IEEE fp32 dot), times the
            tile's one scale (BLOCK_K and BLOCK_N divide 128: one scale block a tile). (The
@@ -72,7 +73,7 @@ def fp8_gemv_reference(x: torch.Tensor, w, resid: torch.Tensor | None = None) ->
 
 
 class GemvConfig(NamedTuple):
-    """One launch shape: loop "fma" (M = 1) or "dot" (M <= 16); BLOCK_N output rows and BLOCK_K
+    """One launch shape: loop "fma" / "fma_rows" (M = 1) or "dot" (M <= 16); BLOCK_N output rows and BLOCK_K
     inputs a step (BLOCK_N divides 128; "dot": BLOCK_K too); split_k programs per strip."""
     loop: str
     block_n: int
@@ -88,7 +89,8 @@ if triton is not None:
     def _fp8_gemv_kernel(X, W, S, Y, R, M, N, K, K_SPLIT,
                          stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk,
                          stride_ys, stride_ym, stride_yn, stride_rm, stride_rn,
-                         HAS_R: tl.constexpr, DOT: tl.constexpr, F32_DOT: tl.constexpr,
+                         HAS_R: tl.constexpr, DOT: tl.constexpr, ROW_SUM: tl.constexpr,
+                         F32_DOT: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """Y[pid_k] [M, N] = (R +) X[:, k range] W[:, k range]^T for program (pid_n, pid_k):
         rows pid_n * BLOCK_N + [0, BLOCK_N) of W, inputs [pid_k * K_SPLIT, + K_SPLIT) (module
@@ -106,7 +108,10 @@ if triton is not None:
             mask_m = rm < M
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         else:
-            acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            if ROW_SUM:
+                acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            else:
+                acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             mask_k = rk < k_hi
@@ -125,7 +130,10 @@ if triton is not None:
             else:
                 s = tl.load(s_row + (rk // 128) * stride_sk, mask=mask_k, other=0.0)
                 x = tl.load(X + rk * stride_xk, mask=mask_k, other=0.0).to(tl.float32)
-                acc2 += w.to(tl.float32) * (x * s)[None, :]
+                if ROW_SUM:
+                    acc1 += tl.sum(w.to(tl.float32) * (x * s)[None, :], axis=1)
+                else:
+                    acc2 += w.to(tl.float32) * (x * s)[None, :]
         Y += pid_k * stride_ys
         if DOT:
             mask = mask_m[:, None] & mask_n[None, :]
@@ -135,7 +143,10 @@ if triton is not None:
             tl.store(Y + rm[:, None] * stride_ym + rn64[None, :] * stride_yn,
                      acc.to(Y.dtype.element_ty), mask=mask)
         else:
-            y = tl.sum(acc2, axis=1)
+            if ROW_SUM:
+                y = acc1
+            else:
+                y = tl.sum(acc2, axis=1)
             if HAS_R:
                 y += tl.load(R + rn64 * stride_rn, mask=mask_n, other=0.0).to(tl.float32)
             tl.store(Y + rn64 * stride_yn, y.to(Y.dtype.element_ty), mask=mask_n)
@@ -163,7 +174,7 @@ def _k_split(K: int, split: int) -> int:
 def _launch(x, w, out, resid, cfg: GemvConfig) -> torch.Tensor:
     M, K = x.shape
     N = w.shape[0]
-    if cfg.loop == "fma" and M != 1:
+    if cfg.loop != "dot" and M != 1:
         raise ValueError(f"fp8_gemv: the fma loop takes one row, got {M}")
     k_split = _k_split(K, cfg.split_k)
     splits = -(-K // k_split)
@@ -178,7 +189,8 @@ def _launch(x, w, out, resid, cfg: GemvConfig) -> torch.Tensor:
         x, w.data, w.scale, target, r, M, N, K, k_split,
         x.stride(0), x.stride(1), w.data.stride(0), w.data.stride(1),
         w.scale.stride(0), w.scale.stride(1), *ts, *rs,
-        HAS_R=has_r, DOT=cfg.loop == "dot", F32_DOT=x.dtype == torch.float32 or not x.is_cuda,
+        HAS_R=has_r, DOT=cfg.loop == "dot", ROW_SUM=cfg.loop == "fma_rows",
+        F32_DOT=x.dtype == torch.float32 or not x.is_cuda,
         BLOCK_M=16 if cfg.loop == "dot" else 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:
@@ -211,12 +223,14 @@ def fp8_gemv(x: torch.Tensor, w, out: torch.Tensor | None = None,
 def candidates(M: int, N: int, K: int, sms: int) -> list[GemvConfig]:
     """Launch shapes worth timing for M rows against [N, K]: splits that give between ~1 and
     ~8 programs a multiprocessor, each split at least 512 inputs long."""
-    tiles = [("dot", bn, 128, w, st) for bn, w, st in
-             ((16, 4, 4), (32, 4, 4), (64, 4, 4), (64, 8, 3), (128, 8, 3))]
-    if M == 1:
-        tiles += [("fma", bn, bk, w, st) for bn, bk, w, st in
-                  ((16, 128, 4, 1), (16, 256, 4, 3), (32, 128, 4, 3), (32, 256, 4, 3),
-                   (32, 256, 4, 1), (64, 128, 4, 3), (16, 512, 4, 3), (64, 256, 8, 3))]
+    tiles = [("dot", bn, 128, w, st) for bn, w, st in  # (cp.async-pipelined: stages count)
+             ((16, 4, 4), (32, 4, 4), (64, 4, 4), (64, 4, 6), (128, 4, 4), (128, 8, 3))]
+    if M == 1:  # (plain vector loads: no stages)
+        tiles += [("fma", bn, bk, w, 1) for bn, bk, w in
+                  ((16, 128, 4), (16, 256, 4), (32, 256, 4), (64, 128, 4), (16, 512, 4),
+                   (64, 256, 8))]
+        tiles += [("fma_rows", bn, bk, w, 1) for bn, bk, w in
+                  ((16, 256, 4), (32, 256, 4), (16, 512, 4), (32, 512, 8), (64, 256, 8))]
     out = []
     for loop, bn, bk, warps, stages in tiles:
         strips = -(-N // bn)
@@ -282,7 +296,7 @@ def tune(x, w, out_dtype, resid, configs: list[GemvConfig]) -> GemvConfig:
 
 
 def rotating_copies(t: torch.Tensor, min_bytes: int = 256 << 20,
-                    most: int = 16) -> list[torch.Tensor]:
+                    most: int = 64) -> list[torch.Tensor]:
     """t and copies of its shape (uninitialised: timing does not read values), together at
     least min_bytes where memory allows, so that timed calls cycling through them miss L2 as
     decoding's (each weight read once a token) do. Off CUDA: t alone."""

@@ -4,7 +4,8 @@
 included. Microseconds a call and GB/s of weight bytes (e4m3: 1 a weight plus the block scales;
 bf16: 2), each timed as a CUDA graph of calls cycling over copies of the weight (cold L2, no
 host launch cost: what a captured decode step pays); the GEMV's tuned config; its error
-against x @ dequantize(W)^T (fp32) and the GEMM's (which also rounds x to e4m3). Last, the
+against x @ dequantize(W)^T (fp32), eager and replayed from a CUDA graph on a new x, and the
+GEMM's (which also rounds x to e4m3). Last, the
 projections of one token through 32 layers (q, k, v, o, gate, up, down unpacked, as the
 decode path runs them) for each kernel.
 
@@ -59,6 +60,15 @@ def measure(name: str, N: int, K: int, M: int, device, dtype) -> dict:
     row.update(gemv_config=cfg._asdict(),
                gemv_err=rel_err(gemv.fp8_gemv(x, q, config=cfg), exact),
                gemm_err=rel_err(gemm.fp8_gemm(x, q), exact))
+    if device.type == "cuda":  # captured once, replayed on new input: the decode step's use
+        xs, got = x.clone(), torch.empty_like(out)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            gemv.fp8_gemv(xs, q, out=got)  # (the tuned config, found in the capture)
+        xs.normal_(0, 1, generator=g)
+        graph.replay()
+        row["gemv_graph_err"] = rel_err(got, xs.float() @ q.dequantize(dtype=torch.float32).t())
+        del graph
     views = [FP8View(d, q.scale, q.dtype) for d in gemv.rotating_copies(q.data)]
     kinds = {
         "gemv": ([lambda v=v: gemv.fp8_gemv(x, v, out=out, config=cfg) for v in views],
@@ -84,13 +94,14 @@ def _f(v, fmt="{:.1f}"):
 
 def print_table(rows: list[dict]) -> None:
     print("\nGEMV  shape    M x N x K            us: gemv / fp8_gemm / bf16   "
-          "GB/s: gemv / fp8_gemm / bf16   rel err gemv / gemm   gemv config")
+          "GB/s: gemv / fp8_gemm / bf16   rel err gemv / graph / gemm   gemv config")
     for r in rows:
         c = r["gemv_config"]
         print(f"      {r['shape']:<8} {r['M']}x{r['N']}x{r['K']:<12} "
               f"{_f(r.get('gemv_us')):>7} / {_f(r.get('gemm_us')):>7} / {_f(r.get('bf16_us')):>7}"
               f"   {_f(r.get('gemv_gbs'), '{:.0f}'):>6} / {_f(r.get('gemm_gbs'), '{:.0f}'):>6} / "
-              f"{_f(r.get('bf16_gbs'), '{:.0f}'):>6}   {r['gemv_err']:.1e} / {r['gemm_err']:.1e}"
+              f"{_f(r.get('bf16_gbs'), '{:.0f}'):>6}   {r['gemv_err']:.1e} / "
+              f"{_f(r.get('gemv_graph_err'), '{:.1e}')} / {r['gemm_err']:.1e}"
               f"   {c['loop']} n{c['block_n']} k{c['block_k']} split{c['split_k']} "
               f"w{c['num_warps']} s{c['num_stages']}")
     for M in sorted({r["M"] for r in rows}):

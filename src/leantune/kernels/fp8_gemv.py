@@ -296,7 +296,7 @@ def tune(x, w, out_dtype, resid, configs: list[GemvConfig]) -> GemvConfig:
 
 
 def rotating_copies(t: torch.Tensor, min_bytes: int = 256 << 20,
-                    most: int = 64) -> list[torch.Tensor]:
+                    most: int = 32) -> list[torch.Tensor]:
     """t and copies of its shape (uninitialised: timing does not read values), together at
     least min_bytes where memory allows, so that timed calls cycling through them miss L2 as
     decoding's (each weight read once a token) do. Off CUDA: t alone."""
@@ -311,16 +311,17 @@ def rotating_copies(t: torch.Tensor, min_bytes: int = 256 << 20,
     return copies
 
 
-def graph_time_us(calls, device: torch.device, reps: int = 32, trials: int = 3) -> float:
+def graph_time_us(calls, device: torch.device, reps: int = 32, trials: int = 5) -> float:
     """Microseconds per call of the zero-argument `calls` (cycled; e.g. one per weight copy):
     on CUDA `reps` calls captured as one CUDA graph, the best of `trials` replays (what a
     captured decode step pays, with no host launch cost); on the CPU the host clock."""
-    for c in calls:  # compile / tune outside the capture
+    calls = calls[:reps]
+    for c in calls:  # compile / tune / load the modules outside the capture
         c()
     if device.type != "cuda":
         t0 = time.perf_counter()
-        for i in range(len(calls)):
-            calls[i]()
+        for c in calls:
+            c()
         return 1e6 * (time.perf_counter() - t0) / len(calls)
     torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
@@ -341,4 +342,5 @@ def graph_time_us(calls, device: torch.device, reps: int = 32, trials: int = 3) 
 
 
 __all__ = ["GEMV_MAX_ROWS", "GemvConfig", "candidates", "config_for", "fp8_gemv",
-           "fp8_gemv_reference", "gemv_applies", "graph_time_us", "heuristic", "rotating_copies", "tune"]
+           "fp8_gemv_reference", "gemv_applies", "graph_time_us", "heuristic",
+           "rotating_copies", "tune"]

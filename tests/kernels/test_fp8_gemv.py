@@ -158,3 +158,33 @@ def test_gemv_bench_tiny(tmp_path):
     assert all(row[f"{k}_us"] > 0 for k in ("gemv", "gemm", "bf16")), row
     assert row["gemv_err"] < 1e-2 and row["gemv_err"] < row["gemm_err"] < 0.06
     assert res.stdout.rstrip().splitlines()[-1].lstrip().startswith("k/v")
+
+
+def test_decoding_through_the_gemv_equals_the_dequantised_model(monkeypatch):
+    """leantune.generate on a tiny Llama with FP8 projections (prompt and steps <= 16 rows:
+    every projection through the GEMV) picks the tokens the dense model holding the
+    dequantised weights picks (greedy)."""
+    import leantune
+    from helpers import CONFIGS, model_for
+    from leantune.lora.base_weight import quantize_fp8_
+    from leantune.model.loader import nf4_projections
+
+    fp8 = quantize_fp8_(model_for(CONFIGS["llama"]))
+    dense = model_for(CONFIGS["llama"])
+    with torch.no_grad():
+        for (_, a), (_, b) in zip(nf4_projections(fp8), nf4_projections(dense)):
+            b.weight.copy_(a.fp8.dequantize(dtype=torch.float32))
+    calls = []
+    real = gemv.fp8_gemv
+    monkeypatch.setattr(gemv, "fp8_gemv", lambda *a, **k: calls.append(a[0].shape[0]) or
+                        real(*a, **k))
+    monkeypatch.setenv("LEANTUNE_FP8_GEMV", "1")
+    prompts = [[3, 17, 5, 60, 2], [9, 9, 41]]
+    with kernels.backend("triton"):
+        got = leantune.generate(fp8, None, prompts, max_new_tokens=3, eos_token_ids=[],
+                                cuda_graphs=False)
+    want = leantune.generate(dense, None, prompts, max_new_tokens=3, eos_token_ids=[],
+                             cuda_graphs=False)
+    assert [g.token_ids for g in got] == [g.token_ids for g in want]
+    n_proj = len(list(nf4_projections(fp8)))
+    assert calls == [10] * n_proj + [2] * (2 * n_proj)  # the prefill (2 x 5), two steps

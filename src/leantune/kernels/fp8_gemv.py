@@ -73,8 +73,9 @@ def fp8_gemv_reference(x: torch.Tensor, w, resid: torch.Tensor | None = None) ->
 
 
 class GemvConfig(NamedTuple):
-    """One launch shape: loop "fma" / "fma_rows" (M = 1) or "dot" (M <= 16); BLOCK_N output rows and BLOCK_K
-    inputs a step (BLOCK_N divides 128; "dot": BLOCK_K too); split_k programs per strip."""
+    """One launch shape: loop "fma" / "fma_rows" (M = 1) or "dot" (M <= 16); BLOCK_N output
+    rows and BLOCK_K inputs a step (BLOCK_N divides 128; "dot": BLOCK_K too); split_k programs
+    per strip."""
     loop: str
     block_n: int
     block_k: int

@@ -228,10 +228,11 @@ def candidates(M: int, N: int, K: int, sms: int) -> list[GemvConfig]:
              ((16, 4, 4), (32, 4, 4), (64, 4, 4), (64, 4, 6), (128, 4, 4), (128, 8, 3))]
     if M == 1:  # (plain vector loads: no stages)
         tiles += [("fma", bn, bk, w, 1) for bn, bk, w in
-                  ((16, 128, 4), (16, 256, 4), (32, 256, 4), (64, 128, 4), (16, 512, 4),
-                   (64, 256, 8))]
-        tiles += [("fma_rows", bn, bk, w, 1) for bn, bk, w in
-                  ((16, 256, 4), (32, 256, 4), (16, 512, 4), (32, 512, 8), (64, 256, 8))]
+                  ((8, 512, 4), (16, 128, 4), (16, 256, 4), (32, 256, 4), (64, 128, 4),
+                   (16, 512, 4), (64, 256, 8))]
+        tiles += [("fma_rows", bn, bk, w, 1) for bn, bk, w in  # (narrow strips: many programs
+                  ((4, 1024, 4), (8, 512, 4), (16, 256, 4), (32, 256, 4), (16, 512, 4),
+                   (32, 512, 8), (64, 256, 8))]  # without a split)
     out = []
     for loop, bn, bk, warps, stages in tiles:
         strips = -(-N // bn)

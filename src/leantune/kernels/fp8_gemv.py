@@ -243,11 +243,12 @@ def candidates(M: int, N: int, K: int, sms: int) -> list[GemvConfig]:
 
 
 def heuristic(M: int, N: int, K: int, sms: int) -> GemvConfig:
-    """The untuned config: ~2 programs a multiprocessor, split-K where the strips are few."""
+    """The untuned config: split-K until there is a program a multiprocessor (or the splits
+    would be short)."""
     loop, bn, bk = ("fma", 32, 256) if M == 1 else ("dot", 64, 128)
     strips = -(-N // bn)
     split = 1
-    while strips * split < 2 * sms and K >= 1024 * split and split < 8:
+    while strips * split < sms and K >= 1024 * split and split < 8:
         split *= 2
     return GemvConfig(loop, bn, bk, split)
 

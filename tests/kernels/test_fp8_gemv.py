@@ -188,3 +188,16 @@ def test_decoding_through_the_gemv_equals_the_dequantised_model(monkeypatch):
     assert [g.token_ids for g in got] == [g.token_ids for g in want]
     n_proj = len(list(nf4_projections(fp8)))
     assert calls == [10] * n_proj + [2] * (2 * n_proj)  # the prefill (2 x 5), two steps
+
+
+def test_tuning_times_the_configs_that_run_and_writes_nothing_of_the_callers():
+    """tune() (the GPU's first-use pick; here on the host clock) returns one of the configs
+    that ran, skips one that cannot (fma with 3 rows), and leaves resid as it was."""
+    q = _weight()
+    x, resid = torch.randn(3, IN_F), torch.randn(3, OUT_F)
+    before = resid.clone()
+    ok = [CONFIGS["dot"], CONFIGS["dot-split"]]
+    assert gemv.tune(x, q, torch.float32, resid, [CONFIGS["fma"], *ok]) in ok
+    assert torch.equal(resid, before)
+    with pytest.raises(RuntimeError, match="no launch config ran"):
+        gemv.tune(x, q, torch.float32, resid, [CONFIGS["fma"]])

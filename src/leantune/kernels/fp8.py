@@ -216,10 +216,15 @@ def fp8_mm(x: torch.Tensor, w: FP8Weight, transpose: bool = False,
     """resid + x W^T (transpose=False; x [n, in]) or resid + x W (transpose=True; x [n, out]),
     into `out` when given: the Triton kernel (kernels/fp8_gemm.py: activation quantised in the
     GEMM; `scratch`, an e4m3 [in, out] buffer for dX's transposed codes) where the kernels run,
-    else the emulation."""
+    else the emulation. A forward of few rows (decoding) takes the weight-only GEMV instead
+    (kernels/fp8_gemv.py: x unquantised; LEANTUNE_FP8_GEMV=0 switches it off)."""
     from .dispatch import use_triton
 
     if use_triton(x) and not emulating():
+        from .fp8_gemv import fp8_gemv, gemv_applies
+
+        if not transpose and gemv_applies(x):  # decoding: few rows, x not quantised
+            return fp8_gemv(x, w, out=out, resid=resid)
         from .fp8_gemm import fp8_gemm
 
         return fp8_gemm(x, w, transpose=transpose, out=out, resid=resid, scratch=scratch)

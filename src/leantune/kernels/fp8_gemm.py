@@ -33,6 +33,8 @@ from .fp8 import BLOCK, FP8_MAX, FP8Weight
 try:
     import triton
     import triton.language as tl
+
+    from .fp8_quant import round_to_e4m3
 except ImportError:  # the package works without Triton (the emulation only)
     triton = None
 
@@ -50,20 +52,6 @@ def set_dx_layout(name: str) -> None:
 
 
 if triton is not None:
-
-    @triton.jit
-    def _round_to_e4m3(v):
-        """fp32 v (|v| <= 448) -> the nearest e4m3 value (ties to even), still fp32, so that the
-        cast after it is exact: the Triton interpreter's fp32 -> e4m3 cast drops the carry of a
-        rounding into the exponent (127.7 -> 64). Normal values keep 3 mantissa bits; below
-        2^-6 (subnormal) values round to multiples of 2^-9 (an fp32 add at 1.5 * 2^14 rounds
-        there)."""
-        bits = v.to(tl.uint32, bitcast=True)
-        normal = (((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) << 20).to(tl.float32,
-                                                                          bitcast=True)
-        sub = (tl.abs(v) + 24576.0) - 24576.0
-        sub = tl.where(v < 0, -sub, sub)
-        return tl.where(tl.abs(v) < 0.015625, sub, normal)
 
     @triton.jit
     def _fp8_gemm_kernel(A, B, SB, C, R, M, N, K, M_KEY,
@@ -97,7 +85,7 @@ if triton is not None:
             inv = tl.where(amax > 0, 448.0 / tl.where(amax > 0, amax, 1.0), 1.0)
             qa = tl.clamp(a * inv[:, None], -448.0, 448.0)
             if ROUND_FP32:
-                qa = _round_to_e4m3(qa)
+                qa = round_to_e4m3(qa)
             qa = qa.to(tl.float8e4nv)
             b = tl.load(B + rk[:, None] * stride_bk + rn[None, :] * stride_bn,
                         mask=mask_k[:, None] & mask_n[None, :], other=0.0)

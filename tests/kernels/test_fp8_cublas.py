@@ -1,0 +1,127 @@
+"""The cuBLAS FP8 path's glue (kernels/fp8_gemm.cublas_gemm: activation quantisation, scale
+layouts, dX's transposed codes and scales, out / resid) on the CPU: the scaled-mm call is
+replaced by emulate_scaled_mm, which takes exactly the tensors cuBLAS would get and checks their
+layouts as torch does, so a layout mistake fails here. Where this torch has its meta shape
+checks for F.scaled_mm, they accept the same tensors."""
+
+import pytest
+import torch
+
+from helpers import one_torch_thread  # noqa: F401  (autouse)
+from leantune import kernels
+from leantune.kernels import fp8_gemm as gemm
+from leantune.kernels.fp8 import FP8_DTYPE, FP8Weight, fp8_mm_reference
+from leantune.kernels.fp8_quant import quantize_rows
+
+# [out, in]: K / 128 = 3 pads the 128 x 128 scales to 4 blocks (both ways round); 4 does not
+SHAPES = [(256, 384), (384, 128), (128, 512)]
+
+
+def _weight(shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(shape, generator=g) * 0.05
+    w[0, 0] = 0.9  # one block's scale much larger than its neighbours'
+    w[128:, :128] *= 1e-3  # and one much smaller: a scale read from the wrong block shows
+    return FP8Weight(shape, torch.float32).quantize_(w)
+
+
+def _emulated(*args, **kw):
+    return gemm.cublas_gemm(*args, scaled_mm=gemm.emulate_scaled_mm, **kw)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_cublas_glue_equals_emulation_forward_and_dx(shape, backend):
+    """Triton backend: the interpreter's quantiser and transpose; reference: their PyTorch
+    forms. Both give fp8_mm_reference's result (same codes and scales; fp32 sums)."""
+    q = _weight(shape)
+    g = torch.Generator().manual_seed(1)
+    x, dy = torch.randn(19, shape[1], generator=g), torch.randn(19, shape[0], generator=g)
+    with kernels.backend(backend):
+        y, dx = _emulated(x, q), _emulated(dy, q, transpose=True)
+    torch.testing.assert_close(y, fp8_mm_reference(x, q), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dx, fp8_mm_reference(dy, q, transpose=True), rtol=1e-5, atol=1e-5)
+
+
+def test_out_resid_scratch_and_accumulation():
+    q = _weight((256, 384))
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(9, 400, generator=g)[:, 3:387]  # a strided column view
+    resid = torch.randn(9, 256, generator=g)
+    want = fp8_mm_reference(x.contiguous(), q) + resid
+    Y = torch.zeros(9, 300)
+    with kernels.backend("triton"):
+        _emulated(x, q, out=Y[:, 10:266], resid=resid)  # strided out
+        torch.testing.assert_close(Y[:, 10:266], want, rtol=1e-5, atol=1e-5)
+        assert torch.all(Y[:, :10] == 0) and torch.all(Y[:, 266:] == 0)
+        direct = torch.empty(9, 256)  # contiguous out, no resid: written by the call itself
+        assert _emulated(x, q, out=direct) is direct
+        torch.testing.assert_close(direct, want - resid, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(_emulated(x, q, resid=resid), want, rtol=1e-5, atol=1e-5)
+        dy = torch.randn(9, 256, generator=g)
+        acc = torch.randn(9, 384, generator=g)
+        want_dx = acc + fp8_mm_reference(dy, q, transpose=True)
+        scratch = torch.empty(384, 256, dtype=FP8_DTYPE)
+        _emulated(dy, q, transpose=True, out=acc, resid=acc, scratch=scratch)
+        torch.testing.assert_close(acc, want_dx, rtol=1e-5, atol=1e-5)
+        assert torch.equal(scratch.view(torch.uint8), q.data.view(torch.uint8).t())
+
+
+def _operands(M=8, N=256, K=384):
+    q = _weight((N, K))
+    codes, scale_t = quantize_rows(torch.randn(M, K))
+    return codes, q.data.t(), scale_t.t(), gemm.weight_scales_for_cublas(q.scale)
+
+
+def test_operands_have_the_layouts_torch_checks():
+    a, b, sa, sb = _operands()
+    assert sa.shape == (8, 3) and sa.stride() == (1, 8)
+    assert sb.shape == (4, 2) and sb.stride() == (1, 4) and torch.all(sb[3] == 0)
+    gemm.check_blockwise_operands(a, b, sa, sb)
+    meta = pytest.importorskip("torch._meta_registrations")
+    check = getattr(meta, "_check_scaled_mm_sizes_v2", None)
+    F = torch.nn.functional
+    if check is None or not hasattr(F, "ScalingType"):
+        pytest.skip("this torch has no F.scaled_mm meta checks")
+    # torch's own shape / stride checks of the (BlockWise1x128, BlockWise128x128) recipe
+    recipe_a, recipe_b = [F.ScalingType.BlockWise1x128.value], [F.ScalingType.BlockWise128x128.value]
+    check(a, b, [sa], recipe_a, [sb], recipe_b, out_dtype=torch.float32)
+    with pytest.raises(RuntimeError):
+        check(a, b, [sa.contiguous()], recipe_a, [sb], recipe_b, out_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("mistake", ["scale_a row-major", "scale_b unpadded",
+                                     "scale_b untransposed", "B row-major"])
+def test_layout_mistakes_fail_on_the_cpu(mistake):
+    a, b, sa, sb = _operands()
+    if mistake == "scale_a row-major":
+        sa = sa.contiguous()
+    elif mistake == "scale_b unpadded":
+        sb = sb[:3]
+    elif mistake == "scale_b untransposed":
+        sb = sb.t().contiguous()
+    else:
+        b = b.contiguous()
+    with pytest.raises(ValueError, match="blockwise scaled mm"):
+        gemm.emulate_scaled_mm(a, b, sa, sb, torch.float32)
+
+
+def test_emulation_applies_each_block_its_own_scale():
+    """The emulation against a dense fp32 product of the dequantised operands."""
+    a, b, sa, sb = _operands(M=5, N=256, K=384)
+    da = a.float() * sa.repeat_interleave(128, 1)
+    wb = sb[:3].t()  # [N/128, K/128]
+    db = b.t().float() * wb.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    torch.testing.assert_close(gemm.emulate_scaled_mm(a, b, sa, sb, torch.float32), da @ db.t(),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_path_switch_and_cpu_dispatch(monkeypatch):
+    with pytest.raises(ValueError, match="LEANTUNE_FP8_GEMM"):
+        gemm.set_gemm_path("fast")
+    assert gemm.gemm_path() in gemm.GEMM_PATHS
+    assert all(v and "cpu" in v for v in gemm.probe_cublas(torch.device("cpu")).values())
+    monkeypatch.setattr(gemm, "_gemm_path", "triton")
+    assert gemm.cublas_reason(torch.device("cpu")) == "LEANTUNE_FP8_GEMM=triton"
+    x = torch.randn(4, 128)
+    assert not gemm.uses_cublas(x, 4, 128, 128)

@@ -24,6 +24,7 @@ Under TRITON_INTERPRET=1 (the tests) the interpreter runs the kernel on the CPU,
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -246,6 +247,17 @@ def gemm_path() -> str:
     return _gemm_path
 
 
+@contextlib.contextmanager
+def using_gemm_path(name: str):
+    """set_gemm_path(name) for a block, the previous path restored after it."""
+    old = _gemm_path
+    set_gemm_path(name)
+    try:
+        yield
+    finally:
+        set_gemm_path(old)
+
+
 def _round4(n: int) -> int:
     return -(-n // 4) * 4
 
@@ -317,8 +329,7 @@ def _scaled_mm_v2(a, b, scale_a, scale_b, out_dtype, out=None):
     import torch.nn.functional as F
 
     y = F.scaled_mm(a, b, scale_a, F.ScalingType.BlockWise1x128, scale_b,
-                    F.ScalingType.BlockWise128x128, swizzle_a=F.SwizzleType.NO_SWIZZLE,
-                    swizzle_b=F.SwizzleType.NO_SWIZZLE, output_dtype=out_dtype)
+                    F.ScalingType.BlockWise128x128, output_dtype=out_dtype)  # (no swizzle)
     return y if out is None else out.copy_(y)
 
 
@@ -447,4 +458,4 @@ def cublas_gemm(x: torch.Tensor, w: FP8Weight, transpose: bool = False,
 __all__ = ["DX_LAYOUTS", "GEMM_PATHS", "SCALED_MM_APIS", "check_blockwise_operands",
            "cublas_gemm", "cublas_reason", "emulate_scaled_mm", "fp8_gemm", "gemm_path",
            "probe_cublas", "set_dx_layout", "set_gemm_path", "transpose_codes", "uses_cublas",
-           "weight_scales_for_cublas"]
+           "using_gemm_path", "weight_scales_for_cublas"]

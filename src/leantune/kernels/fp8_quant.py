@@ -96,13 +96,14 @@ if triton is not None:
         rc = (pid_c * TILE + tl.arange(0, TILE)).to(tl.int64)
         mask = (rr < R)[:, None] & (rc < C)[None, :]
         t = tl.load(S + rr[:, None] * C + rc[None, :], mask=mask, other=0)
-        tl.store(D + rc[None, :] * R + rr[:, None], t, mask=mask)
+        mask_t = (rc < C)[:, None] & (rr < R)[None, :]
+        tl.store(D + rc[:, None] * R + rr[None, :], tl.trans(t), mask=mask_t)
 
 
 def _tiles(device: torch.device) -> tuple[int, int]:
     """(rows a quantisation program, transpose tile edge): small in the interpreter (several
     programs even on tiny test shapes)."""
-    return (64, 64) if device.type == "cuda" else (8, 16)
+    return (64, 64) if device.type == "cuda" else (16, 32)
 
 
 def quantize_rows(x: torch.Tensor, codes: torch.Tensor | None = None,

@@ -11,7 +11,7 @@ from helpers import one_torch_thread  # noqa: F401  (autouse)
 from leantune import kernels
 from leantune.kernels import fp8_gemm as gemm
 from leantune.kernels.fp8 import FP8_DTYPE, FP8Weight, fp8_mm_reference
-from leantune.kernels.fp8_quant import quantize_rows
+from leantune.kernels.fp8_quant import quantize_rows, quantize_rows_reference
 
 # [out, in]: K / 128 = 3 pads the 128 x 128 scales to 4 blocks (both ways round); 4 does not
 SHAPES = [(256, 384), (384, 128), (128, 512)]
@@ -31,12 +31,14 @@ def _emulated(*args, **kw):
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("backend", ["triton", "reference"])
-def test_cublas_glue_equals_emulation_forward_and_dx(shape, backend):
+@pytest.mark.parametrize("rows", [19, 32])
+def test_cublas_glue_equals_emulation_forward_and_dx(shape, backend, rows):
     """Triton backend: the interpreter's quantiser and transpose; reference: their PyTorch
-    forms. Both give fp8_mm_reference's result (same codes and scales; fp32 sums)."""
+    forms. Both give fp8_mm_reference's result (same codes and scales; fp32 sums). 19 rows
+    are padded to 32 for cuBLAS (zero codes, scale 1)."""
     q = _weight(shape)
     g = torch.Generator().manual_seed(1)
-    x, dy = torch.randn(19, shape[1], generator=g), torch.randn(19, shape[0], generator=g)
+    x, dy = torch.randn(rows, shape[1], generator=g), torch.randn(rows, shape[0], generator=g)
     with kernels.backend(backend):
         y, dx = _emulated(x, q), _emulated(dy, q, transpose=True)
     torch.testing.assert_close(y, fp8_mm_reference(x, q), rtol=1e-5, atol=1e-5)
@@ -54,9 +56,19 @@ def test_out_resid_scratch_and_accumulation():
         _emulated(x, q, out=Y[:, 10:266], resid=resid)  # strided out
         torch.testing.assert_close(Y[:, 10:266], want, rtol=1e-5, atol=1e-5)
         assert torch.all(Y[:, :10] == 0) and torch.all(Y[:, 266:] == 0)
-        direct = torch.empty(9, 256)  # contiguous out, no resid: written by the call itself
+        direct = torch.empty(9, 256)  # contiguous out, no resid (9 rows: through a padded temp)
         assert _emulated(x, q, out=direct) is direct
         torch.testing.assert_close(direct, want - resid, rtol=1e-5, atol=1e-5)
+        x16 = torch.randn(16, 384, generator=g)  # aligned rows: written by the call itself
+        direct = torch.empty(16, 256)
+        seen = []
+
+        def spy(*args, out=None):
+            seen.append(out)
+            return gemm.emulate_scaled_mm(*args, out=out)
+
+        assert gemm.cublas_gemm(x16, q, out=direct, scaled_mm=spy) is direct and seen == [direct]
+        torch.testing.assert_close(direct, fp8_mm_reference(x16, q), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(_emulated(x, q, resid=resid), want, rtol=1e-5, atol=1e-5)
         dy = torch.randn(9, 256, generator=g)
         acc = torch.randn(9, 384, generator=g)
@@ -71,6 +83,17 @@ def _operands(M=8, N=256, K=384):
     q = _weight((N, K))
     codes, scale_t = quantize_rows(torch.randn(M, K))
     return codes, q.data.t(), scale_t.t(), gemm.weight_scales_for_cublas(q.scale)
+
+
+def test_padded_rows_are_zero_codes_with_unit_scales():
+    x = torch.randn(5, 256)
+    for triton_kernel in (True, False):
+        codes, scale_t = gemm.quantize_padded(x, triton_kernel)
+        assert codes.shape == (16, 256) and scale_t.shape == (2, 16)
+        assert torch.all(codes[5:].view(torch.uint8) == 0) and torch.all(scale_t[:, 5:] == 1)
+        ref_codes, ref_scale_t = quantize_rows_reference(x)
+        assert torch.equal(codes[:5].view(torch.uint8), ref_codes.view(torch.uint8))
+        assert torch.equal(scale_t[:, :5], ref_scale_t)
 
 
 def test_operands_have_the_layouts_torch_checks():
@@ -125,3 +148,30 @@ def test_path_switch_and_cpu_dispatch(monkeypatch):
     assert gemm.cublas_reason(torch.device("cpu")) == "LEANTUNE_FP8_GEMM=triton"
     x = torch.randn(4, 128)
     assert not gemm.uses_cublas(x, 4, 128, 128)
+
+
+
+def test_auto_falls_back_to_triton_where_cublas_refuses(monkeypatch):
+    """A shape cuBLASLt refuses at run time (one the probe did not try) goes to the Triton
+    kernel, and later GEMMs of that shape go there directly; forced "cublas" raises."""
+    q = _weight((128, 256))
+    x = torch.randn(64, 256)
+    calls = []
+
+    def refuse(*args, **kw):
+        calls.append(1)
+        raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
+
+    monkeypatch.setattr(gemm, "_refused", {})
+    monkeypatch.setattr(gemm, "cublas_reason", lambda device: None)
+    monkeypatch.setattr(gemm, "_scaled_mm_for", lambda device, kb: refuse)
+    monkeypatch.setattr(gemm, "cublas_gemm", refuse)
+    assert gemm.try_cublas(x, q, False, None, None, None) is None  # refused: Triton's turn
+    assert list(gemm._refused) == [(128, 256, torch.float32)] and len(calls) == 1
+    assert not gemm.uses_cublas(x, 64, 128, 256)
+    assert gemm.try_cublas(x, q, False, None, None, None) is None and len(calls) == 1
+    monkeypatch.setattr(gemm, "_refused", {})
+    with gemm.using_gemm_path("cublas"), pytest.raises(RuntimeError, match="NOT_SUPPORTED"):
+        gemm.try_cublas(x, q, False, None, None, None)
+    with gemm.using_gemm_path("auto"):
+        assert not gemm.uses_cublas(x[:8], 8, 128, 256)  # few rows: the Triton kernel

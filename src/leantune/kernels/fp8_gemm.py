@@ -170,8 +170,10 @@ def fp8_gemm(x: torch.Tensor, w: FP8Weight, transpose: bool = False,
         raise ValueError(f"fp8_gemm: input of shape {tuple(x.shape)} for a weight {w.shape} "
                          f"({'dX' if transpose else 'forward'}: K = {K})")
     M = x.shape[0]
-    if x.is_cuda and uses_cublas(x, M, N, K):
-        return cublas_gemm(x, w, transpose=transpose, out=out, resid=resid, scratch=scratch)
+    if x.is_cuda:
+        y = try_cublas(x, w, transpose, out, resid, scratch)
+        if y is not None:
+            return y
     out = out if out is not None else torch.empty(M, N, dtype=x.dtype, device=x.device)
     s = w.scale
     if not transpose:  # B[k, n] = W[n, k]
@@ -343,6 +345,8 @@ def _scaled_mm_v1(a, b, scale_a, scale_b, out_dtype, out=None):
 # the torch entry points, in the order tried: F.scaled_mm pads any K; _scaled_mm writes into out
 SCALED_MM_APIS = {"F.scaled_mm": _scaled_mm_v2, "torch._scaled_mm": _scaled_mm_v1}
 _probed: dict[int, dict[str, str | None]] = {}
+# (N, K, dtype) -> why cuBLAS refused a GEMM of that shape ("auto" then runs it on Triton)
+_refused: dict[tuple, str] = {}
 
 
 def probe_cublas(device: torch.device) -> dict[str, str | None]:
@@ -405,26 +409,69 @@ def _scaled_mm_for(device: torch.device, kb: int):
 def uses_cublas(x: torch.Tensor, M: int, N: int, K: int) -> bool:
     """Whether the GEMM of x [M, K] (CUDA) to N columns runs on cuBLAS: the path is not
     "triton", K and N are multiples of 128 (whole scale blocks), M >= CUBLAS_MIN_ROWS under
-    "auto", an output dtype cuBLAS writes, and a probed entry point fits. "cublas" where the
-    probe failed: a RuntimeError with the probe's reasons."""
+    "auto" (and no earlier GEMM of this N, K refused: _refused), an output dtype cuBLAS
+    writes, and a probed entry point fits. "cublas" where the probe failed: a RuntimeError
+    with the probe's reasons."""
     if _gemm_path == "triton" or K % BLOCK or N % BLOCK or x.dtype not in _OUT_DTYPES:
         return False
-    if _gemm_path == "auto" and M < CUBLAS_MIN_ROWS:
+    if _gemm_path == "auto" and (M < CUBLAS_MIN_ROWS or (N, K, x.dtype) in _refused):
         return False
     reason = cublas_reason(x.device)
     if reason is not None:
-        if _gemm_path == "cublas" and not reason.startswith("capturing"):
+        if _gemm_path == "cublas" and "capturing" not in reason:
             raise RuntimeError(f"LEANTUNE_FP8_GEMM=cublas, but cuBLAS FP8 does not run here: "
                                f"{reason}; use LEANTUNE_FP8_GEMM=auto or triton")
         return False
     return _scaled_mm_for(x.device, K // BLOCK) is not None
 
 
+def try_cublas(x, w, transpose, out, resid, scratch) -> torch.Tensor | None:
+    """fp8_gemm through cublas_gemm where uses_cublas says so, else None (the Triton kernel's
+    turn). Under "auto" a GEMM cuBLASLt refuses (a shape the probe did not try) also returns
+    None, and its (N, K, dtype) goes to _refused: later ones go to Triton directly."""
+    out_f, in_f = w.shape
+    K, N = (out_f, in_f) if transpose else (in_f, out_f)
+    if not uses_cublas(x, x.shape[0], N, K):
+        return None
+    try:
+        return cublas_gemm(x, w, transpose=transpose, out=out, resid=resid, scratch=scratch)
+    except RuntimeError as e:
+        if _gemm_path == "cublas":
+            raise
+        _refused[(N, K, x.dtype)] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        return None
+
+
+ROW_ALIGN = 16  # A's rows padded to a multiple (zero codes, scale 1): scale_a's strides are
+                # (1, rows), and cuBLAS's scale tensors are read in aligned vectors
+
+
+def quantize_padded(x: torch.Tensor, triton_kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (codes [Mp, K], scale_t [K / 128, Mp]), Mp = M rounded up to ROW_ALIGN, the
+    rows past M zero codes with scale 1 (their products are dropped): kernels/fp8_quant's
+    quantize_rows (triton_kernel) or its reference."""
+    M, K = x.shape
+    mp = -(-M // ROW_ALIGN) * ROW_ALIGN
+    if triton_kernel and mp == M:
+        return quantize_rows(x)
+    codes = torch.empty(mp, K, dtype=FP8_DTYPE, device=x.device)
+    scale_t = torch.empty(-(-K // BLOCK), mp, dtype=torch.float32, device=x.device)
+    if triton_kernel:
+        quantize_rows(x, codes[:M], scale_t[:, :M])
+    else:
+        c, st = quantize_rows_reference(x)
+        codes[:M].view(torch.uint8).copy_(c.view(torch.uint8))
+        scale_t[:, :M] = st
+    codes[M:].view(torch.uint8).zero_()
+    scale_t[:, M:] = 1
+    return codes, scale_t
+
+
 def cublas_gemm(x: torch.Tensor, w: FP8Weight, transpose: bool = False,
                 out: torch.Tensor | None = None, resid: torch.Tensor | None = None,
                 scratch: torch.Tensor | None = None, scaled_mm=None) -> torch.Tensor:
     """fp8_gemm's result through torch's blockwise scaled mm (section comment): x quantised by
-    quantize_rows (the Triton kernel where the kernels run, else its reference), dX's codes
+    quantize_padded (the Triton kernel where the kernels run, else its reference), dX's codes
     transposed into `scratch`, resid added after. scaled_mm: the entry point (default: the
     probed one for this device); the CPU tests pass emulate_scaled_mm, which takes the same
     tensors."""
@@ -435,7 +482,7 @@ def cublas_gemm(x: torch.Tensor, w: FP8Weight, transpose: bool = False,
     if x.dim() != 2 or x.shape[1] != K:
         raise ValueError(f"cublas_gemm: input of shape {tuple(x.shape)} for a weight {w.shape} "
                          f"({'dX' if transpose else 'forward'}: K = {K})")
-    codes, scale_t = (quantize_rows if use_triton(x) else quantize_rows_reference)(x)
+    codes, scale_t = quantize_padded(x, use_triton(x))
     if transpose:  # B^T = W^T [in, out]: the codes transposed, their scales [in/128, out/128]
         bt, sb = transpose_codes(w, scratch), w.scale.t()
     else:  # B^T = W [out, in] as stored
@@ -444,12 +491,14 @@ def cublas_gemm(x: torch.Tensor, w: FP8Weight, transpose: bool = False,
     if mm is None:
         raise RuntimeError(f"cublas_gemm: no torch blockwise scaled mm runs on {x.device} "
                            f"({cublas_reason(x.device)})")
+    M = x.shape[0]
     direct = (out is not None and resid is None and out.dtype == x.dtype
-              and out.is_contiguous())
+              and out.is_contiguous() and codes.shape[0] == M)
     y = mm(codes, bt.t(), scale_t.t(), weight_scales_for_cublas(sb), x.dtype,
            out=out if direct else None)
     if direct:
         return out
+    y = y[:M]
     if resid is not None:
         return y.add_(resid) if out is None else torch.add(resid, y, out=out)
     return y if out is None else out.copy_(y)
@@ -457,5 +506,5 @@ def cublas_gemm(x: torch.Tensor, w: FP8Weight, transpose: bool = False,
 
 __all__ = ["DX_LAYOUTS", "GEMM_PATHS", "SCALED_MM_APIS", "check_blockwise_operands",
            "cublas_gemm", "cublas_reason", "emulate_scaled_mm", "fp8_gemm", "gemm_path",
-           "probe_cublas", "set_dx_layout", "set_gemm_path", "transpose_codes", "uses_cublas",
-           "using_gemm_path", "weight_scales_for_cublas"]
+           "probe_cublas", "quantize_padded", "set_dx_layout", "set_gemm_path", "transpose_codes",
+           "try_cublas", "uses_cublas", "using_gemm_path", "weight_scales_for_cublas"]

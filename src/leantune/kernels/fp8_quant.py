@@ -62,11 +62,12 @@ if triton is not None:
         return tl.where(tl.abs(v) < 0.015625, sub, normal)
 
     @triton.jit
-    def _quantize_rows_kernel(X, Q, ST, M, K, stride_xm, stride_xk,
+    def _quantize_rows_kernel(X, Q, ST, M, K, stride_xm, stride_xk, stride_s,
                               ROUND_FP32: tl.constexpr, BLOCK_M: tl.constexpr,
                               BLOCK_K: tl.constexpr):
-        """Q[M, K] (uint8 view of e4m3, contiguous) and ST[K / 128, M] from X: program
-        (pid_m, kb) does rows pid_m * BLOCK_M.. of column block kb."""
+        """Q[M, K] (uint8 view of e4m3, contiguous) and ST[K / 128, M] (row stride
+        stride_s >= M) from X: program (pid_m, kb) does rows pid_m * BLOCK_M.. of column
+        block kb."""
         pid_m = tl.program_id(0)
         kb = tl.program_id(1)
         rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -85,7 +86,7 @@ if triton is not None:
             q = round_to_e4m3(q)
         q = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
         tl.store(Q + rm[:, None] * K + rk[None, :], q, mask=mask)
-        tl.store(ST + kb * M + rm, s, mask=mask_m)
+        tl.store(ST + kb * stride_s + rm, s, mask=mask_m)
 
     @triton.jit
     def _transpose_kernel(S, D, R, C, TILE: tl.constexpr):
@@ -109,7 +110,8 @@ def _tiles(device: torch.device) -> tuple[int, int]:
 def quantize_rows(x: torch.Tensor, codes: torch.Tensor | None = None,
                   scale_t: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (codes e4m3 [M, K], scale_t fp32 [ceil(K / 128), M]) by the Triton kernel
-    (module docstring), into `codes` / `scale_t` when given (contiguous)."""
+    (module docstring), into `codes` (contiguous) / `scale_t` (unit column stride; a column
+    view of a wider buffer, for padded rows) when given."""
     if x.dim() != 2:
         raise ValueError(f"quantize_rows: x must be 2-D [rows, K], got shape {tuple(x.shape)}")
     M, K = x.shape
@@ -121,7 +123,7 @@ def quantize_rows(x: torch.Tensor, codes: torch.Tensor | None = None,
         return codes, scale_t
     rows, _ = _tiles(x.device)
     _quantize_rows_kernel[(triton.cdiv(M, rows), kb)](
-        x, codes.view(torch.uint8), scale_t, M, K, x.stride(0), x.stride(1),
+        x, codes.view(torch.uint8), scale_t, M, K, x.stride(0), x.stride(1), scale_t.stride(0),
         ROUND_FP32=not x.is_cuda, BLOCK_M=rows, BLOCK_K=BLOCK, num_warps=4)
     return codes, scale_t
 

@@ -107,7 +107,8 @@ def test_operands_have_the_layouts_torch_checks():
     if check is None or not hasattr(F, "ScalingType"):
         pytest.skip("this torch has no F.scaled_mm meta checks")
     # torch's own shape / stride checks of the (BlockWise1x128, BlockWise128x128) recipe
-    recipe_a, recipe_b = [F.ScalingType.BlockWise1x128.value], [F.ScalingType.BlockWise128x128.value]
+    recipe_a = [F.ScalingType.BlockWise1x128.value]
+    recipe_b = [F.ScalingType.BlockWise128x128.value]
     check(a, b, [sa], recipe_a, [sb], recipe_b, out_dtype=torch.float32)
     with pytest.raises(RuntimeError):
         check(a, b, [sa.contiguous()], recipe_a, [sb], recipe_b, out_dtype=torch.float32)

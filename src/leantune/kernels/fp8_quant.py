@@ -6,10 +6,11 @@ quantize_rows(x): x [M, K] (16/32-bit, any strides) -> (codes e4m3 [M, K] contig
 fp32 [ceil(K / 128), M] contiguous): per 1 x 128 block of a row, s = amax / 448 (1 for an
 all-zero block) and q = round_e4m3(clamp(x * (448 * (1 / amax)), +-448)), the same fp32
 operations as kernels/fp8.block_quantize (torch evaluates its 448 / amax as a reciprocal and a
-product), so codes and scales agree with it bit for bit. The scales are stored transposed (block-major, rows contiguous):
-scale_t.t() is the [M, K / 128] matrix with strides (1, M) that cuBLAS's 1 x 128 block scaling
-reads ("outer-dim-major"; torch's scaled_mm checks these strides). One pass over x: one program
-reads a BLOCK_M x 128 tile, takes the row amaxes in registers and writes codes and scales.
+product), so codes and scales agree with it bit for bit. The scales are stored transposed
+(block-major, rows contiguous): scale_t.t() is the [M, K / 128] matrix with strides (1, M)
+that cuBLAS's 1 x 128 block scaling reads ("outer-dim-major"; torch's scaled_mm checks these
+strides). One pass over x: one program reads a BLOCK_M x 128 tile, takes the row amaxes in
+registers and writes codes and scales.
 
 transpose_codes_(src, dst): e4m3 [R, C] -> dst [C, R] through shared-memory tiles (a copy_ of a
 transposed view reads one byte per 32-byte sector). dX = dY W reads W's codes K-major this way

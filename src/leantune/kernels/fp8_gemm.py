@@ -19,7 +19,14 @@ K-major operands only; LEANTUNE_FP8_DX=direct (or set_dx_layout) switches; bench
 measures both. The engine's scratch buffers for it are shared by every layer
 (engine/weights.ScratchPool) and allocated before memory is measured.
 
-Under TRITON_INTERPRET=1 (the tests) the interpreter runs the kernel on the CPU, e4m3 included.
+On Hopper the GEMMs run on cuBLAS instead where torch has its blockwise scaled matmul (the
+section "the cuBLAS path" below: the activation quantised by one Triton pass of
+kernels/fp8_quant.py into the layout cuBLAS reads, dX through the transposed codes); a probe per
+device decides, LEANTUNE_FP8_GEMM=auto|triton|cublas switches, and the Triton kernel runs
+wherever cuBLAS does not (few rows, odd shapes, other GPUs).
+
+Under TRITON_INTERPRET=1 (the tests) the interpreter runs the kernel on the CPU, e4m3 included;
+the cuBLAS path's glue is tested there with the scaled mm emulated (emulate_scaled_mm).
 """
 
 from __future__ import annotations

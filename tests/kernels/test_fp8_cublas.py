@@ -176,3 +176,20 @@ def test_auto_falls_back_to_triton_where_cublas_refuses(monkeypatch):
         gemm.try_cublas(x, q, False, None, None, None)
     with gemm.using_gemm_path("auto"):
         assert not gemm.uses_cublas(x[:8], 8, 128, 256)  # few rows: the Triton kernel
+
+
+def test_probe_passes_an_agreeing_entry_point_and_names_a_failing_one():
+    """The probe's check, on the CPU: the emulation itself passes; an entry point that reads
+    the weight scales from the wrong blocks disagrees; one that raises is named."""
+    shapes = ((16, 256, 384),)
+    cpu = torch.device("cpu")
+    assert gemm.probe_entry(gemm.emulate_scaled_mm, cpu, shapes) is None
+
+    def wrong_blocks(a, b, sa, sb, dtype, out=None):  # (flip keeps the strides)
+        return gemm.emulate_scaled_mm(a, b, sa, sb.flip(1), dtype, out=out)
+
+    def missing(*args, **kw):
+        raise RuntimeError("no blockwise recipe\nsecond line")
+
+    assert "disagrees" in gemm.probe_entry(wrong_blocks, cpu, shapes)
+    assert gemm.probe_entry(missing, cpu, shapes) == "K=384: RuntimeError: no blockwise recipe"

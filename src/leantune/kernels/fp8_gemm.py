@@ -216,9 +216,12 @@ def fp8_gemm(x: torch.Tensor, w: FP8Weight, transpose: bool = False,
 # ------------------------------------------------------------------------------------------------
 # the cuBLAS path: torch's blockwise scaled matmul (DeepSeek-style scales, Hopper)
 # ------------------------------------------------------------------------------------------------
-# Torch (2.9+ built with cuBLASLt >= 12.9) runs e4m3 GEMMs with 1 x 128 activation scales and
+# Torch (built with cuBLASLt >= 12.9) runs e4m3 GEMMs with 1 x 128 activation scales and
 # 128 x 128 weight scales through cuBLASLt on sm_90 (aten/src/ATen/native/cuda/ScaledBlas.cpp,
-# _scaled_block1x128_block128x128; other archs are refused). For C [M, N] = A [M, K] B [K, N]:
+# _scaled_block1x128_block128x128 / _check_deepseek_support; other archs are refused):
+# torch._scaled_mm since 2.9 (pytorch#158037), torch.nn.functional.scaled_mm since 2.10
+# (pytorch#164142), the L4 padding below enforced since pytorch#166752 (before it, unpadded
+# 128 x 128 scales gave wrong results silently: the probe checks K/128 = 3). For C [M, N] = A [M, K] B [K, N]:
 #   A  e4m3 row-major;                     scale_a fp32 [M, K/128], strides (1, M)
 #   B  e4m3 column-major (B^T contiguous);  scale_b fp32 [L4, N/128], strides (1, L4),
 #                                           L4 = K/128 rounded up to a multiple of 4

@@ -149,6 +149,9 @@ def test_path_switch_and_cpu_dispatch(monkeypatch):
     assert gemm.cublas_reason(torch.device("cpu")) == "LEANTUNE_FP8_GEMM=triton"
     x = torch.randn(4, 128)
     assert not gemm.uses_cublas(x, 4, 128, 128)
+    monkeypatch.setattr(gemm, "_gemm_path", "cuBLAS")  # (a bad LEANTUNE_FP8_GEMM: one line)
+    with pytest.raises(ValueError, match="LEANTUNE_FP8_GEMM='cuBLAS': use one of auto"):
+        gemm.uses_cublas(x, 4, 128, 128)
 
 
 

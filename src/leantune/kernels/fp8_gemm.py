@@ -433,6 +433,8 @@ def uses_cublas(x: torch.Tensor, M: int, N: int, K: int) -> bool:
     "auto" (and no earlier GEMM of this N, K refused: _refused), an output dtype cuBLAS
     writes, and a probed entry point fits. "cublas" where the probe failed: a RuntimeError
     with the probe's reasons."""
+    if _gemm_path not in GEMM_PATHS:
+        raise ValueError(f"LEANTUNE_FP8_GEMM={_gemm_path!r}: use one of {', '.join(GEMM_PATHS)}")
     if _gemm_path == "triton" or K % BLOCK or N % BLOCK or x.dtype not in _OUT_DTYPES:
         return False
     if _gemm_path == "auto" and (M < CUBLAS_MIN_ROWS or (N, K, x.dtype) in _refused):

@@ -32,6 +32,7 @@ the cuBLAS path's glue is tested there with the scaled mm emulated (emulate_scal
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 import torch
@@ -336,12 +337,23 @@ def emulate_scaled_mm(a, b, scale_a, scale_b, out_dtype, out=None) -> torch.Tens
     return y if out is None else out.copy_(y)
 
 
+@functools.lru_cache(maxsize=None)
+def _dtype_keyword() -> str:
+    """The name of F.scaled_mm's output dtype argument in this torch (output_dtype in 2.13)."""
+    import inspect
+
+    import torch.nn.functional as F
+
+    params = inspect.signature(F.scaled_mm).parameters
+    return "output_dtype" if "output_dtype" in params else "out_dtype"
+
+
 def _scaled_mm_v2(a, b, scale_a, scale_b, out_dtype, out=None):
-    """torch.nn.functional.scaled_mm with the recipes named (torch 2.10+)."""
+    """torch.nn.functional.scaled_mm with the recipes named (torch 2.10+; no swizzle)."""
     import torch.nn.functional as F
 
     y = F.scaled_mm(a, b, scale_a, F.ScalingType.BlockWise1x128, scale_b,
-                    F.ScalingType.BlockWise128x128, output_dtype=out_dtype)  # (no swizzle)
+                    F.ScalingType.BlockWise128x128, **{_dtype_keyword(): out_dtype})
     return y if out is None else out.copy_(y)
 
 

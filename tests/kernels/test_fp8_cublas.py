@@ -69,6 +69,14 @@ def test_out_resid_scratch_and_accumulation():
 
         assert gemm.cublas_gemm(x16, q, out=direct, scaled_mm=spy) is direct and seen == [direct]
         torch.testing.assert_close(direct, fp8_mm_reference(x16, q), rtol=1e-5, atol=1e-5)
+        r16 = torch.randn(16, 256, generator=g)  # a residual in another tensor: still direct
+        assert gemm.cublas_gemm(x16, q, out=direct, resid=r16, scaled_mm=spy) is direct
+        assert seen[-1] is direct
+        torch.testing.assert_close(direct, fp8_mm_reference(x16, q) + r16, rtol=1e-5, atol=1e-5)
+        acc = r16.clone()  # the residual is the output: through a temporary
+        gemm.cublas_gemm(x16, q, out=acc, resid=acc, scaled_mm=spy)
+        assert seen[-1] is None
+        torch.testing.assert_close(acc, fp8_mm_reference(x16, q) + r16, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(_emulated(x, q, resid=resid), want, rtol=1e-5, atol=1e-5)
         dy = torch.randn(9, 256, generator=g)
         acc = torch.randn(9, 384, generator=g)
@@ -196,3 +204,21 @@ def test_probe_passes_an_agreeing_entry_point_and_names_a_failing_one():
 
     assert "disagrees" in gemm.probe_entry(wrong_blocks, cpu, shapes)
     assert gemm.probe_entry(missing, cpu, shapes) == "K=384: RuntimeError: no blockwise recipe"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the cuBLAS path runs on CUDA")
+def test_on_the_gpu_cublas_equals_the_emulation():
+    """(GPU only) Where the probe passes, the real scaled mm gives the emulation's result to
+    bf16 rounding, forward and dX, at a padded-scale shape and at one that needs none."""
+    dev = torch.device("cuda")
+    if gemm.cublas_reason(dev) is not None:
+        pytest.skip(f"no cuBLAS FP8 here: {gemm.cublas_reason(dev)}")
+    for N, K in ((384, 256), (512, 1024)):
+        q = FP8Weight((N, K), torch.bfloat16, device=dev).quantize_(
+            torch.randn(N, K, device=dev) * 0.02)
+        x = torch.randn(200, K, device=dev).bfloat16()
+        dy = torch.randn(200, N, device=dev).bfloat16()
+        for args, kw in (((x, q), {}), ((dy, q), dict(transpose=True))):
+            y = gemm.cublas_gemm(*args, **kw).float()
+            ref = _emulated(*args, **kw).float()
+            assert ((y - ref).norm() / ref.norm()).item() < 1e-2

@@ -527,12 +527,16 @@ def cublas_gemm(x: torch.Tensor, w: FP8Weight, transpose: bool = False,
         raise RuntimeError(f"cublas_gemm: no torch blockwise scaled mm runs on {x.device} "
                            f"({cublas_reason(x.device)})")
     M = x.shape[0]
-    direct = (out is not None and resid is None and out.dtype == x.dtype
-              and out.is_contiguous() and codes.shape[0] == M)
+    # the product straight into `out` where cuBLAS can write it (contiguous, no padded rows)
+    # and it holds no residual still to be read (another storage): no [M, N] temporary
+    direct = (out is not None and out.dtype == x.dtype and out.is_contiguous()
+              and codes.shape[0] == M
+              and (resid is None or resid.untyped_storage().data_ptr()
+                   != out.untyped_storage().data_ptr()))
     y = mm(codes, bt.t(), scale_t.t(), weight_scales_for_cublas(sb), x.dtype,
            out=out if direct else None)
     if direct:
-        return out
+        return out if resid is None else out.add_(resid)
     y = y[:M]
     if resid is not None:
         return y.add_(resid) if out is None else torch.add(resid, y, out=out)

@@ -222,6 +222,18 @@ def trainer_step(model, batch, policy: str, precision: str, steps: int, device):
     return trainer, lambda: trainer.train_step([on_device])
 
 
+def gemm_name(precision: str, device) -> str:
+    """Which GEMM a step's base projections run: bf16 (cuBLAS), or for fp8 the emulation, the
+    cuBLAS path or the Triton kernel (kernels/fp8_gemm.py; at the training shapes)."""
+    from leantune.kernels.fp8 import emulating
+
+    if precision != "fp8":
+        return "bf16"
+    if emulating():
+        return "emulated"
+    return "cublas" if fp8_gemm.cublas_reason(device) is None else "triton"
+
+
 def step_part(args, device) -> list[dict]:
     from leantune.engine import detach
 
@@ -236,7 +248,8 @@ def step_part(args, device) -> list[dict]:
             cfg_model = model.config
             batch = batch or random_batch(cfg_model.vocab_size, args.rows, args.seq)
             tokens = batch.input_ids.numel()
-            row = dict(shape=shape, precision=precision, policy=policy)
+            row = dict(shape=shape, precision=precision, policy=policy, gemm=gemm_name(
+                precision, device))
             try:
                 trainer, step = trainer_step(model, batch, policy, precision, args.steps, device)
                 reset_peak(device)
@@ -391,14 +404,12 @@ def print_table(gemms: list[dict], steps: list[dict], losses: list[dict] = (),
                   f"{'ok' if r['cublas_vs_emulation'] < 1e-2 else 'FAIL'} | "
                   f"{r['quant_ms']:.3f} / {r['transpose_ms']:.3f}")
     if steps:
-        print("\nstep  shape         precision  policy     tok/s     peak GiB   plan")
+        print("\nstep  shape         precision  gemm      policy     tok/s     peak GiB   plan")
         for r in steps:
-            if "error" in r:
-                print(f"      {r['shape']:<13} {r['precision']:<10} {r['policy']:<10} "
-                      f"error: {r['error'][:80]}")
-                continue
-            print(f"      {r['shape']:<13} {r['precision']:<10} {r['policy']:<10} "
-                  f"{r['tok_s']:>8.0f}  {_f(r['peak_gib'], '{:.2f}'):>9}   {r['plan'][:60]}")
+            head = f"      {r['shape']:<13} {r['precision']:<10} {r['gemm']:<9} {r['policy']:<10} "
+            print(head + (f"error: {r['error'][:80]}" if "error" in r else
+                          f"{r['tok_s']:>8.0f}  {_f(r['peak_gib'], '{:.2f}'):>9}   "
+                          f"{r['plan'][:60]}"))
     for r in decodes:
         print(f"decode {r['shape']} batch 1 {r['precision']:<5} "
               + (f"{r['tok_s']:.1f} tok/s" if "tok_s" in r else f"error: {r['error'][:80]}"))

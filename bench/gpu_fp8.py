@@ -162,7 +162,14 @@ def gemm_part(args, device) -> list[dict]:
         with kernels.backend(backend), fp8_gemm.using_gemm_path("triton"):
             f8_f = time_ms(lambda: fp8_gemm.fp8_gemm(x, q), device)
             row.update(fp8_fwd_tflops=flops / f8_f / 1e9,
-                       fp8_fwd_err=rel_err(fp8_gemm.fp8_gemm(x, q), y32))
+                       fp8_fwd_err=rel_err(fp8_gemm.fp8_gemm(x, q), y32),
+                       act_quant="pass" if fp8_gemm.prequantizes(M) else "kernel")
+            fp8_gemm.set_act_quant("kernel")  # (the activation quantised per tile, inside)
+            try:
+                row["fp8_fwd_in_kernel_quant_tflops"] = flops / time_ms(
+                    lambda: fp8_gemm.fp8_gemm(x, q), device) / 1e9
+            finally:
+                fp8_gemm.set_act_quant(os.environ.get("LEANTUNE_FP8_ACT_QUANT", "auto"))
             for layout in fp8_gemm.DX_LAYOUTS:
                 fp8_gemm.set_dx_layout(layout)
                 try:  # (a layout the compiler refuses on this GPU: recorded, the rest goes on)
@@ -378,7 +385,8 @@ def print_table(gemms: list[dict], steps: list[dict], losses: list[dict] = (),
                 decodes: list[dict] = ()) -> None:
     if gemms:
         print("\nGEMM    M x N x K        TFLOP/s: bf16 fwd / dX | triton fp8 fwd / dX(T) / "
-              "dX(direct) | speedup | rel err bf16 / fp8 | kernel vs emul. | _scaled_mm+quant")
+              "dX(direct) [fwd, quant in-kernel] | speedup | rel err bf16 / fp8 | kernel vs "
+              "emul. | _scaled_mm+quant")
         for r in gemms:
             if "error" in r:
                 print(f"{r['shape']:<7} error: {r['error'][:100]}")
@@ -387,7 +395,8 @@ def print_table(gemms: list[dict], steps: list[dict], losses: list[dict] = (),
             print(f"{r['shape']:<7} {r['M']}x{r['N']}x{r['K']:<9} "
                   f"{_f(r['bf16_fwd_tflops']):>7} / {_f(r['bf16_dx_tflops']):<7} | "
                   f"{_f(r['fp8_fwd_tflops']):>7} / {_f(r['fp8_dx_transpose_tflops'])} / "
-                  f"{_f(r['fp8_dx_direct_tflops'])} | {_f(r['fwd_plus_dx_speedup'], '{:.2f}')}x | "
+                  f"{_f(r['fp8_dx_direct_tflops'])} [{_f(r.get('fp8_fwd_in_kernel_quant_tflops'))}]"
+                  f" | {_f(r['fwd_plus_dx_speedup'], '{:.2f}')}x | "
                   f"{r['bf16_fwd_err']:.1e} / {r['fp8_fwd_err']:.1e} | "
                   f"{r['kernel_vs_emulation']:.1e} {check} | "
                   f"{_f(r.get('scaled_mm_rowwise_plus_quant_tflops'))}"

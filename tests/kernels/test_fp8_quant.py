@@ -69,3 +69,33 @@ def test_tiled_transpose_equals_copy(shape):
     with pytest.raises(ValueError, match="transposed shape"):
         transpose_codes_(codes, torch.empty(shape, dtype=FP8_DTYPE) if shape[0] != shape[1]
                          else torch.empty(1, 1, dtype=FP8_DTYPE))
+
+
+@pytest.mark.parametrize("layout", ["direct", "transpose"])
+def test_triton_gemm_on_prequantised_codes_equals_emulation(layout, monkeypatch):
+    """LEANTUNE_FP8_ACT_QUANT=pass: the Triton GEMM reads quantize_rows' codes and scales (the
+    same codes as the emulation's, bit for bit) instead of quantising per tile; both ways agree
+    with the emulation, with a residual and a strided output."""
+    from leantune.kernels import fp8_gemm as gemm
+    from leantune.kernels.fp8 import FP8Weight, fp8_mm_reference
+
+    monkeypatch.setattr(gemm, "_dx_layout", layout)
+    q = FP8Weight((130, 300), torch.float32).quantize_(_x((130, 300), torch.float32) * 0.02)
+    x, dy = _x((21, 300), torch.float32, 1), _x((21, 130), torch.float32, 2)
+    resid = torch.randn(21, 130)
+    Y = torch.zeros(21, 140)
+    got = {}
+    for where in ("pass", "kernel"):
+        monkeypatch.setattr(gemm, "_act_quant", where)
+        assert gemm.prequantizes(21) == (where == "pass")
+        got[where] = (gemm.fp8_gemm(x, q, out=Y[:, 5:135], resid=resid).clone(),
+                      gemm.fp8_gemm(dy, q, transpose=True))
+    y_ref, dx_ref = fp8_mm_reference(x, q) + resid, fp8_mm_reference(dy, q, transpose=True)
+    for y, dx in got.values():
+        torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dx, dx_ref, rtol=1e-5, atol=1e-5)
+    assert torch.all(Y[:, :5] == 0) and torch.all(Y[:, 135:] == 0)
+    monkeypatch.setattr(gemm, "_act_quant", "auto")
+    assert not gemm.prequantizes(8) and gemm.prequantizes(gemm.PREQUANT_MIN_ROWS)
+    with pytest.raises(ValueError, match="LEANTUNE_FP8_ACT_QUANT"):
+        gemm.set_act_quant("fused")

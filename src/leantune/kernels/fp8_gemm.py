@@ -65,13 +65,16 @@ def set_dx_layout(name: str) -> None:
 if triton is not None:
 
     @triton.jit
-    def _fp8_gemm_kernel(A, B, SB, C, R, M, N, K, M_KEY,
-                         stride_am, stride_ak, stride_bk, stride_bn, stride_sk, stride_sn,
-                         stride_cm, stride_cn, stride_rm, stride_rn,
-                         HAS_R: tl.constexpr, ROUND_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    def _fp8_gemm_kernel(A, SA, B, SB, C, R, M, N, K, M_KEY,
+                         stride_am, stride_ak, stride_sa, stride_bk, stride_bn, stride_sk,
+                         stride_sn, stride_cm, stride_cn, stride_rm, stride_rn,
+                         HAS_R: tl.constexpr, A_CODES: tl.constexpr, ROUND_FP32: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP_M: tl.constexpr):
         """C[M, N] = R + A[M, K] B[K, N] (module docstring); B e4m3 with block scales SB
-        [ceil(K / 128), ceil(N / 128)]; BLOCK_K = 128 (one scale block a step). M_KEY: M
+        [ceil(K / 128), ceil(N / 128)]; BLOCK_K = 128 (one scale block a step). A_CODES: A is
+        already e4m3 codes with scales SA [ceil(K / 128), M] (row stride stride_sa;
+        kernels/fp8_quant.quantize_rows), else 16/32-bit, quantised here per tile. M_KEY: M
         rounded up to a power of two, the autotuner's key (unused here), so that prompts of
         other lengths reuse one tuning."""
         pid = tl.program_id(0)
@@ -89,15 +92,20 @@ if triton is not None:
         for k0 in range(0, K, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             mask_k = rk < K
-            a = tl.load(A + rm[:, None] * stride_am + rk[None, :] * stride_ak,
-                        mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-            amax = tl.max(tl.abs(a), axis=1)
-            sa = tl.where(amax > 0, amax / 448.0, 1.0)
-            inv = tl.where(amax > 0, 448.0 / tl.where(amax > 0, amax, 1.0), 1.0)
-            qa = tl.clamp(a * inv[:, None], -448.0, 448.0)
-            if ROUND_FP32:
-                qa = round_to_e4m3(qa)
-            qa = qa.to(tl.float8e4nv)
+            if A_CODES:  # (quantised once for every N tile: no amax and cast per tile)
+                qa = tl.load(A + rm[:, None] * stride_am + rk[None, :] * stride_ak,
+                             mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                sa = tl.load(SA + (k0 // BLOCK_K) * stride_sa + rm, mask=mask_m, other=0.0)
+            else:
+                a = tl.load(A + rm[:, None] * stride_am + rk[None, :] * stride_ak,
+                            mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+                amax = tl.max(tl.abs(a), axis=1)
+                sa = tl.where(amax > 0, amax / 448.0, 1.0)
+                inv = tl.where(amax > 0, 448.0 / tl.where(amax > 0, amax, 1.0), 1.0)
+                qa = tl.clamp(a * inv[:, None], -448.0, 448.0)
+                if ROUND_FP32:
+                    qa = round_to_e4m3(qa)
+                qa = qa.to(tl.float8e4nv)
             b = tl.load(B + rk[:, None] * stride_bk + rn[None, :] * stride_bn,
                         mask=mask_k[:, None] & mask_n[None, :], other=0.0)
             sb = tl.load(SB + (k0 // BLOCK_K) * stride_sk + (rn // BLOCK_K) * stride_sn,
@@ -130,9 +138,36 @@ if triton is not None:
         small = [c for c in fit if c.kwargs["BLOCK_M"] <= 32]
         return small if rows <= 32 else [c for c in fit if c.kwargs["BLOCK_M"] >= 64] or fit
 
-    _fp8_gemm_tuned = triton.autotune(_CUDA_CONFIGS, key=["M_KEY", "N", "K", "HAS_R"],
+    _fp8_gemm_tuned = triton.autotune(_CUDA_CONFIGS,
+                                      key=["M_KEY", "N", "K", "HAS_R", "A_CODES"],
                                       prune_configs_by={"early_config_prune": _prune},
                                       restore_value=["C"])(_fp8_gemm_kernel)
+
+
+# Where the Triton kernel quantises the activation: "kernel" (per tile, inside the GEMM: each
+# of the N / BLOCK_N tiles of a row redoes its amax and cast), "pass" (once, by
+# kernels/fp8_quant.quantize_rows, and the GEMM reads e4m3 codes), "auto" (a pass from
+# PREQUANT_MIN_ROWS rows: training; decoding's few rows quantise in the kernel, one launch)
+ACT_QUANTS = ("auto", "kernel", "pass")
+_act_quant = os.environ.get("LEANTUNE_FP8_ACT_QUANT", "auto")
+PREQUANT_MIN_ROWS = 64
+
+
+def set_act_quant(name: str) -> None:
+    """Where the Triton GEMM quantises its activation (ACT_QUANTS; LEANTUNE_FP8_ACT_QUANT)."""
+    global _act_quant
+    if name not in ACT_QUANTS:
+        raise ValueError(f"LEANTUNE_FP8_ACT_QUANT / set_act_quant must be one of {ACT_QUANTS}, "
+                         f"got {name!r}")
+    _act_quant = name
+
+
+def prequantizes(M: int) -> bool:
+    """Whether the Triton GEMM of M rows reads codes quantised by one pass (set_act_quant)."""
+    if _act_quant not in ACT_QUANTS:
+        raise ValueError(f"LEANTUNE_FP8_ACT_QUANT={_act_quant!r}: use one of "
+                         f"{', '.join(ACT_QUANTS)}")
+    return _act_quant == "pass" or (_act_quant == "auto" and M >= PREQUANT_MIN_ROWS)
 
 
 def transposes(device: torch.device) -> bool:
@@ -197,14 +232,17 @@ def fp8_gemm(x: torch.Tensor, w: FP8Weight, transpose: bool = False,
         strides_b = (b.stride(0), b.stride(1))
         strides_s = (s.stride(0), s.stride(1))
     r = resid if resid is not None else out
-    args = (x, b, s, out, r, M, N, K, triton.next_power_of_2(M), x.stride(0), x.stride(1),
-            *strides_b, *strides_s,
+    codes = prequantizes(M)
+    a, sa = quantize_rows(x) if codes else (x, x)
+    args = (a, sa, b, s, out, r, M, N, K, triton.next_power_of_2(M), a.stride(0), a.stride(1),
+            sa.stride(0), *strides_b, *strides_s,
             out.stride(0), out.stride(1), r.stride(0), r.stride(1))
 
     def grid(meta):
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
-    flags = dict(HAS_R=resid is not None, ROUND_FP32=not x.is_cuda, BLOCK_K=BLOCK)
+    flags = dict(HAS_R=resid is not None, A_CODES=codes, ROUND_FP32=not x.is_cuda,
+                 BLOCK_K=BLOCK)
     if not x.is_cuda:
         _fp8_gemm_kernel[grid](*args, **flags, **_FIXED_TILES)
     elif os.environ.get("LEANTUNE_FP8_TUNE", "1") == "0":
@@ -222,7 +260,8 @@ def fp8_gemm(x: torch.Tensor, w: FP8Weight, transpose: bool = False,
 # _scaled_block1x128_block128x128 / _check_deepseek_support; other archs are refused):
 # torch._scaled_mm since 2.9 (pytorch#158037), torch.nn.functional.scaled_mm since 2.10
 # (pytorch#164142), the L4 padding below enforced since pytorch#166752 (before it, unpadded
-# 128 x 128 scales gave wrong results silently: the probe checks K/128 = 3). For C [M, N] = A [M, K] B [K, N]:
+# 128 x 128 scales gave wrong results silently: the probe checks K/128 = 3).
+# For C [M, N] = A [M, K] B [K, N]:
 #   A  e4m3 row-major;                     scale_a fp32 [M, K/128], strides (1, M)
 #   B  e4m3 column-major (B^T contiguous);  scale_b fp32 [L4, N/128], strides (1, L4),
 #                                           L4 = K/128 rounded up to a multiple of 4
@@ -543,7 +582,9 @@ def cublas_gemm(x: torch.Tensor, w: FP8Weight, transpose: bool = False,
     return y if out is None else out.copy_(y)
 
 
-__all__ = ["DX_LAYOUTS", "GEMM_PATHS", "SCALED_MM_APIS", "check_blockwise_operands",
-           "cublas_gemm", "cublas_reason", "emulate_scaled_mm", "fp8_gemm", "gemm_path",
-           "probe_cublas", "probe_entry", "quantize_padded", "set_dx_layout", "set_gemm_path", "transpose_codes",
-           "try_cublas", "uses_cublas", "using_gemm_path", "weight_scales_for_cublas"]
+__all__ = ["ACT_QUANTS", "DX_LAYOUTS", "GEMM_PATHS", "SCALED_MM_APIS",
+           "check_blockwise_operands", "cublas_gemm", "cublas_reason", "emulate_scaled_mm",
+           "fp8_gemm", "gemm_path", "prequantizes", "probe_cublas", "probe_entry",
+           "quantize_padded", "set_act_quant", "set_dx_layout", "set_gemm_path",
+           "transpose_codes", "try_cublas", "uses_cublas", "using_gemm_path",
+           "weight_scales_for_cublas"]

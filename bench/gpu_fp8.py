@@ -6,6 +6,12 @@
     block scales, the bf16 activation quantised per 1 x 128 block inside the kernel; dX with the
     codes transposed into a scratch buffer and read as stored). TFLOP/s, and the error against
     the fp32 product of the same bf16 operands: ||Y - Y_fp32|| / ||Y_fp32|| for bf16 and FP8.
+    Beside the Triton kernel, the cuBLAS path (kernels/fp8_gemm.cublas_gemm: torch's blockwise
+    1x128 x 128x128 scaled mm, the activation quantised by kernels/fp8_quant.py's Triton pass,
+    dX through the transposed codes) with its error and its check against the emulation, and
+    the quantisation and transpose alone (ms). Under --tiny the cuBLAS columns run the same
+    glue with the scaled mm emulated (fp8_gemm.emulate_scaled_mm: the same tensors, torch's
+    layout checks). The probe of torch's entry points is printed above the table.
     For reference, torch._scaled_mm (rowwise scales, where this torch has it) with the
     activation quantised by a separate PyTorch amax pass, the cost the issue measured.
 (b) Steps: the Llama-3.1-8B shape, --rows x --seq tokens (4 x 2048), LoRA r16 alpha16 on every
@@ -19,6 +25,7 @@
 
     python bench/gpu_fp8.py                 # both parts on the GPU (~3 min on an H200)
     python bench/gpu_fp8.py --parts gemm    # (a) only
+    LEANTUNE_FP8_GEMM=triton python bench/gpu_fp8.py --parts step   # steps on the Triton GEMM
     python bench/gpu_fp8.py --parts loss    # (c): 100 steps at lr 2e-4, Llama-3.2-1B shape
     python bench/gpu_fp8.py --parts decode  # (d): batch-1 decoding, bf16 vs FP8 weights
     python bench/gpu_fp8.py --tiny          # the same code paths on the CPU in seconds: the
@@ -47,13 +54,15 @@ from speed import random_batch  # noqa: E402
 
 from leantune import kernels  # noqa: E402
 from leantune.kernels import fp8_gemm  # noqa: E402
-from leantune.kernels.fp8 import (FP8_DTYPE, FP8_MAX, FP8Weight, block_quantize,  # noqa: E402
+from leantune.kernels.fp8 import (FP8_DTYPE, FP8_MAX, FP8Weight,  # noqa: E402
                                   fp8_mm_reference)
 
 # Llama-3.1-8B's projections, (out, in)
 PROJECTIONS = {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (14336, 4096),
                "down": (4096, 14336)}
-TINY_PROJECTIONS = {"q/o": (64, 64), "k/v": (32, 64), "gate/up": (160, 64), "down": (64, 160)}
+# (multiples of 128, as the cuBLAS path takes; K / 128 = 3 pads its weight scales)
+TINY_PROJECTIONS = {"q/o": (128, 128), "k/v": (128, 256), "gate/up": (384, 128),
+                    "down": (128, 384)}
 
 
 def time_ms(fn, device, n: int = 20, warm: int = 3) -> float:
@@ -69,6 +78,14 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.float() - ref).norm() / ref.norm()).item()
 
 
+def rowwise_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (e4m3 codes [N, K], scales [1, N] fp32): one scale per output row, the
+    layout torch._scaled_mm's rowwise recipe takes for B = codes^T."""
+    sw = (w.float().abs().amax(1) / FP8_MAX).clamp(min=1e-12)
+    w8 = (w.float() / sw[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return w8, sw.view(1, -1).contiguous()
+
+
 def scaled_mm_rowwise(x: torch.Tensor, w8: torch.Tensor, sw: torch.Tensor):
     """torch._scaled_mm with rowwise scales, the activation quantised by plain PyTorch ops (the
     separate amax pass the issue measured): x [M, K] bf16, w8 [N, K] e4m3, sw [1, N] fp32."""
@@ -78,7 +95,43 @@ def scaled_mm_rowwise(x: torch.Tensor, w8: torch.Tensor, sw: torch.Tensor):
     return torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16)
 
 
+def cublas_part(row, x, dy, q, scratch, y32, dx32, flops, device) -> None:
+    """The cuBLAS path's columns into `row` (the scaled mm emulated on the CPU), and the
+    quantisation and transpose alone."""
+    from leantune.kernels.fp8_quant import quantize_rows
+
+    emulate = device.type != "cuda"
+    mm = fp8_gemm.emulate_scaled_mm if emulate else None
+    row["cublas_mode"] = "emulated" if emulate else "cuBLAS"
+
+    def fwd():
+        return fp8_gemm.cublas_gemm(x, q, scaled_mm=mm)
+
+    def dx():
+        return fp8_gemm.cublas_gemm(dy, q, transpose=True, scratch=scratch, scaled_mm=mm)
+
+    try:
+        with kernels.backend("triton"):
+            f_ms, b_ms = time_ms(fwd, device), time_ms(dx, device)
+            row.update(cublas_fwd_tflops=flops / f_ms / 1e9, cublas_dx_tflops=flops / b_ms / 1e9,
+                       cublas_fwd_err=rel_err(fwd(), y32), cublas_dx_err=rel_err(dx(), dx32),
+                       cublas_vs_emulation=max(
+                           rel_err(fwd(), fp8_mm_reference(x, q).float()),
+                           rel_err(dx(), fp8_mm_reference(dy, q, transpose=True).float())),
+                       quant_ms=time_ms(lambda: quantize_rows(x), device),
+                       transpose_ms=time_ms(lambda: fp8_gemm.transpose_codes(q, scratch),
+                                            device))
+            row["cublas_fwd_plus_dx_ms"] = f_ms + b_ms
+    except Exception as e:  # (no blockwise scaled mm in this torch / on this GPU: recorded)
+        row["cublas_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+
 def gemm_part(args, device) -> list[dict]:
+    probe = fp8_gemm.probe_cublas(device)
+    record("fp8_cublas_probe", path=fp8_gemm.gemm_path(), torch=torch.__version__,
+           **{k: v or "ok" for k, v in probe.items()})
+    print("cuBLAS blockwise probe (torch " + torch.__version__ + "): "
+          + "; ".join(f"{k}: {v or 'ok'}" for k, v in probe.items()))
     rows = []
     dtype = torch.bfloat16
     g = torch.Generator(device=device).manual_seed(0)
@@ -99,16 +152,24 @@ def gemm_part(args, device) -> list[dict]:
         row.update(bf16_fwd_tflops=flops / bf_f / 1e9, bf16_dx_tflops=flops / bf_b / 1e9,
                    bf16_fwd_err=rel_err(x @ w.t(), y32), bf16_dx_err=rel_err(dy @ w, dx32))
         try:
-            fp8_gemm.fp8_gemm(x[:128], q)  # (compiles: a kernel this GPU refuses is one record)
+            with fp8_gemm.using_gemm_path("triton"):  # (compiles: a kernel this GPU refuses
+                fp8_gemm.fp8_gemm(x[:128], q)           # is one record)
         except Exception as e:
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             record("fp8_gemm", **row)
             rows.append(row)
             continue
-        with kernels.backend(backend):
+        with kernels.backend(backend), fp8_gemm.using_gemm_path("triton"):
             f8_f = time_ms(lambda: fp8_gemm.fp8_gemm(x, q), device)
             row.update(fp8_fwd_tflops=flops / f8_f / 1e9,
-                       fp8_fwd_err=rel_err(fp8_gemm.fp8_gemm(x, q), y32))
+                       fp8_fwd_err=rel_err(fp8_gemm.fp8_gemm(x, q), y32),
+                       act_quant="pass" if fp8_gemm.prequantizes(M) else "kernel")
+            fp8_gemm.set_act_quant("kernel")  # (the activation quantised per tile, inside)
+            try:
+                row["fp8_fwd_in_kernel_quant_tflops"] = flops / time_ms(
+                    lambda: fp8_gemm.fp8_gemm(x, q), device) / 1e9
+            finally:
+                fp8_gemm.set_act_quant(os.environ.get("LEANTUNE_FP8_ACT_QUANT", "auto"))
             for layout in fp8_gemm.DX_LAYOUTS:
                 fp8_gemm.set_dx_layout(layout)
                 try:  # (a layout the compiler refuses on this GPU: recorded, the rest goes on)
@@ -130,10 +191,12 @@ def gemm_part(args, device) -> list[dict]:
         dx_best = max(row["fp8_dx_transpose_tflops"] or 0, row["fp8_dx_direct_tflops"] or 0)
         row["fwd_plus_dx_speedup"] = ((bf_f + bf_b) / (f8_f + flops / dx_best / 1e9)
                                       if dx_best else None)
+        cublas_part(row, x, dy, q, scratch, y32, dx32, flops, device)
+        if "cublas_fwd_plus_dx_ms" in row:
+            row["cublas_speedup"] = (bf_f + bf_b) / row.pop("cublas_fwd_plus_dx_ms")
         if device.type == "cuda" and hasattr(torch, "_scaled_mm"):
-            try:
-                w8, sw = block_quantize(w, 1)  # rowwise: one scale per output row
-                sw = sw.view(1, -1).contiguous()
+            try:  # (the old probe passed 1 x 128 block scales as rowwise ones: always refused)
+                w8, sw = rowwise_weight(w)
                 ms = time_ms(lambda: scaled_mm_rowwise(x, w8, sw), device)
                 row.update(scaled_mm_rowwise_plus_quant_tflops=flops / ms / 1e9,
                            scaled_mm_rowwise_err=rel_err(scaled_mm_rowwise(x, w8, sw), y32))
@@ -166,6 +229,18 @@ def trainer_step(model, batch, policy: str, precision: str, steps: int, device):
     return trainer, lambda: trainer.train_step([on_device])
 
 
+def gemm_name(precision: str, device) -> str:
+    """Which GEMM a step's base projections run: bf16 (cuBLAS), or for fp8 the emulation, the
+    cuBLAS path or the Triton kernel (kernels/fp8_gemm.py; at the training shapes)."""
+    from leantune.kernels.fp8 import emulating
+
+    if precision != "fp8":
+        return "bf16"
+    if emulating():
+        return "emulated"
+    return "cublas" if fp8_gemm.cublas_reason(device) is None else "triton"
+
+
 def step_part(args, device) -> list[dict]:
     from leantune.engine import detach
 
@@ -180,7 +255,8 @@ def step_part(args, device) -> list[dict]:
             cfg_model = model.config
             batch = batch or random_batch(cfg_model.vocab_size, args.rows, args.seq)
             tokens = batch.input_ids.numel()
-            row = dict(shape=shape, precision=precision, policy=policy)
+            row = dict(shape=shape, precision=precision, policy=policy, gemm=gemm_name(
+                precision, device))
             try:
                 trainer, step = trainer_step(model, batch, policy, precision, args.steps, device)
                 reset_peak(device)
@@ -308,8 +384,9 @@ def _f(v, fmt="{:.4g}"):
 def print_table(gemms: list[dict], steps: list[dict], losses: list[dict] = (),
                 decodes: list[dict] = ()) -> None:
     if gemms:
-        print("\nGEMM    M x N x K        TFLOP/s: bf16 fwd / dX | fp8 fwd / dX(T) / dX(direct)"
-              " | fwd+dX speedup (best dX) | rel err bf16 / fp8 | kernel vs emul. | _scaled_mm+quant")
+        print("\nGEMM    M x N x K        TFLOP/s: bf16 fwd / dX | triton fp8 fwd / dX(T) / "
+              "dX(direct) [fwd, quant in-kernel] | speedup | rel err bf16 / fp8 | kernel vs "
+              "emul. | _scaled_mm+quant")
         for r in gemms:
             if "error" in r:
                 print(f"{r['shape']:<7} error: {r['error'][:100]}")
@@ -318,19 +395,30 @@ def print_table(gemms: list[dict], steps: list[dict], losses: list[dict] = (),
             print(f"{r['shape']:<7} {r['M']}x{r['N']}x{r['K']:<9} "
                   f"{_f(r['bf16_fwd_tflops']):>7} / {_f(r['bf16_dx_tflops']):<7} | "
                   f"{_f(r['fp8_fwd_tflops']):>7} / {_f(r['fp8_dx_transpose_tflops'])} / "
-                  f"{_f(r['fp8_dx_direct_tflops'])} | {_f(r['fwd_plus_dx_speedup'], '{:.2f}')}x | "
+                  f"{_f(r['fp8_dx_direct_tflops'])} [{_f(r.get('fp8_fwd_in_kernel_quant_tflops'))}]"
+                  f" | {_f(r['fwd_plus_dx_speedup'], '{:.2f}')}x | "
                   f"{r['bf16_fwd_err']:.1e} / {r['fp8_fwd_err']:.1e} | "
                   f"{r['kernel_vs_emulation']:.1e} {check} | "
-                  f"{_f(r.get('scaled_mm_rowwise_plus_quant_tflops'))}")
+                  f"{_f(r.get('scaled_mm_rowwise_plus_quant_tflops'))}"
+                  + (f" ({r['scaled_mm_error'][:60]})" if "scaled_mm_error" in r else ""))
+        print("\nGEMM    cublas path       TFLOP/s: fwd / dX | fwd+dX speedup vs bf16 | rel err "
+              "fwd / dX | vs emul. | quant ms / transpose ms")
+        for r in (r for r in gemms if "error" not in r):
+            print(f"{r['shape']:<7} cublas error: {r['cublas_error'][:100]}"
+                  if "cublas_error" in r else
+                  f"{r['shape']:<7} {r['cublas_mode']:<17} {_f(r['cublas_fwd_tflops']):>7} / "
+                  f"{_f(r['cublas_dx_tflops']):<7} | {_f(r.get('cublas_speedup'), '{:.2f}')}x | "
+                  f"{r['cublas_fwd_err']:.1e} / {r['cublas_dx_err']:.1e} | "
+                  f"{r['cublas_vs_emulation']:.1e} "
+                  f"{'ok' if r['cublas_vs_emulation'] < 1e-2 else 'FAIL'} | "
+                  f"{r['quant_ms']:.3f} / {r['transpose_ms']:.3f}")
     if steps:
-        print("\nstep  shape         precision  policy     tok/s     peak GiB   plan")
+        print("\nstep  shape         precision  gemm      policy     tok/s     peak GiB   plan")
         for r in steps:
-            if "error" in r:
-                print(f"      {r['shape']:<13} {r['precision']:<10} {r['policy']:<10} "
-                      f"error: {r['error'][:80]}")
-                continue
-            print(f"      {r['shape']:<13} {r['precision']:<10} {r['policy']:<10} "
-                  f"{r['tok_s']:>8.0f}  {_f(r['peak_gib'], '{:.2f}'):>9}   {r['plan'][:60]}")
+            head = f"      {r['shape']:<13} {r['precision']:<10} {r['gemm']:<9} {r['policy']:<10} "
+            print(head + (f"error: {r['error'][:80]}" if "error" in r else
+                          f"{r['tok_s']:>8.0f}  {_f(r['peak_gib'], '{:.2f}'):>9}   "
+                          f"{r['plan'][:60]}"))
     for r in decodes:
         print(f"decode {r['shape']} batch 1 {r['precision']:<5} "
               + (f"{r['tok_s']:.1f} tok/s" if "tok_s" in r else f"error: {r['error'][:80]}"))

@@ -77,7 +77,7 @@ for p in $parts; do
                2>&1 | tee -a "$OUT/log.txt" | grep -E "^\{" | cut -c1-300 ;;
     fp8|fp8-step)
              timeout ${FP8_LIMIT:-420} python bench/gpu_fp8.py ${FP8_ARGS:-} 2>&1 \
-               | tee -a "$OUT/log.txt" | grep -v "^{" | tail -n 16 ;;&
+               | tee -a "$OUT/log.txt" | grep -v "^{" | tail -n 26 ;;&
     fp8|fp8-more)
              timeout 300 python bench/gpu_fp8.py --parts loss 2>&1 | tee -a "$OUT/log.txt" \
                | grep -v "^{" | tail -n 3

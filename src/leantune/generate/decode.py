@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .cache import KVCache
+from .projections import DecodeProjections
 from .sampling import Sampler, Sampling
 
 EOS, STOP_STRING, LENGTH = "eos", "stop string", "length"
@@ -73,7 +74,7 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int,
            cuda_graphs: bool = True, check_every: int | None = None,
            on_tokens: Callable[[list[list[int]]], None] | None = None,
            log: Callable[[str], None] | None = None,
-           min_slots: int | None = None) -> list[Decoded]:
+           min_slots: int | None = None, projections: str = "packed") -> list[Decoded]:
     """Generate up to `max_new_tokens` tokens after each prompt (token id lists) in one batch.
 
     Args:
@@ -89,6 +90,8 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int,
         min_slots: the KV cache holds at least this many slots (a caller whose prompts vary
             sizes it for its longest prompt + max_new_tokens, so the cache and the CUDA graph
             of the decode step are made once and reused: GRPO's rollouts).
+        projections: "packed" (default), "precast" or "plain": how the step runs the LoRA
+            projections (generate/projections.py; the same tokens, fewer kernels).
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
@@ -103,38 +106,48 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int,
     was_training = model.training
     model.eval()
     try:
-        step = _step_for(model, B, slots, device, graphs, log)
-        cache = step.cache
-        ids = torch.zeros(B, P, dtype=torch.long)
-        for row, p in enumerate(prompts):
-            ids[row, P - len(p):] = torch.tensor(p)
-        cache.pad.copy_(torch.tensor([P - len(p) for p in prompts]))
-        cache.start.fill_(0)
-        positions, meta = cache.meta(P)
-        logits = model.forward_cached(ids.to(device), positions, meta)  # prefill
-        sampler = Sampler(sampling or Sampling(), prompts, logits.shape[-1], device)
-        out = torch.empty(B, max_new_tokens, dtype=torch.long, device=device)
-        rows = [_Row() for _ in prompts]
-        eos = set(int(i) for i in eos_ids)
-        every = check_every or (1 if device.type != "cuda" or on_tokens else CUDA_CHECK_EVERY)
-        read = 0
-        for i in range(max_new_tokens):
-            tokens = sampler(logits)
-            out[:, i] = tokens
-            last = i + 1 == max_new_tokens
-            if last or (i + 1) % every == 0:
-                new = out[:, read:i + 1].tolist()  # the host sync
-                read = i + 1
-                kept = [row.extend(n, eos, stop_check) for row, n in zip(rows, new)]
-                if on_tokens is not None:
-                    on_tokens(kept)
-                if all(row.stopped for row in rows):
-                    break
-            if not last:
-                cache.start.fill_(P + i)  # the slot of the token just chosen
-                logits = step(model, tokens)
+        step = _step_for(model, B, slots, device, graphs, log, projections)
+        step.proj.refresh()  # the adapter as trained since the graph was captured
+        with step.proj.installed():
+            return _run(model, step, prompts, max_new_tokens, sampling, eos_ids, stop_check,
+                        check_every, on_tokens, device)
     finally:
         model.train(was_training)
+
+
+def _run(model, step, prompts, max_new_tokens, sampling, eos_ids, stop_check, check_every,
+         on_tokens, device) -> list[Decoded]:
+    """decode's loop (the model in eval mode, the step's projections installed)."""
+    cache = step.cache
+    P, B = max(len(p) for p in prompts), len(prompts)
+    ids = torch.zeros(B, P, dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, P - len(p):] = torch.tensor(p)
+    cache.pad.copy_(torch.tensor([P - len(p) for p in prompts]))
+    cache.start.fill_(0)
+    positions, meta = cache.meta(P)
+    logits = model.forward_cached(ids.to(device), positions, meta)  # prefill
+    sampler = Sampler(sampling or Sampling(), prompts, logits.shape[-1], device)
+    out = torch.empty(B, max_new_tokens, dtype=torch.long, device=device)
+    rows = [_Row() for _ in prompts]
+    eos = set(int(i) for i in eos_ids)
+    every = check_every or (1 if device.type != "cuda" or on_tokens else CUDA_CHECK_EVERY)
+    read = 0
+    for i in range(max_new_tokens):
+        tokens = sampler(logits)
+        out[:, i] = tokens
+        last = i + 1 == max_new_tokens
+        if last or (i + 1) % every == 0:
+            new = out[:, read:i + 1].tolist()  # the host sync
+            read = i + 1
+            kept = [row.extend(n, eos, stop_check) for row, n in zip(rows, new)]
+            if on_tokens is not None:
+                on_tokens(kept)
+            if all(row.stopped for row in rows):
+                break
+        if not last:
+            cache.start.fill_(P + i)  # the slot of the token just chosen
+            logits = step(model, tokens)
     return [Decoded(row.ids, row.stopped or LENGTH) for row in rows]
 
 
@@ -144,8 +157,9 @@ class DecodeStep:
     reference to the model, which keys the graphs kept for reuse.)"""
 
     def __init__(self, model, batch: int, slots: int, device: torch.device, graph: bool,
-                 log=None):
+                 log=None, projections: str = "packed"):
         dtype = model.model.embed_tokens.weight.dtype
+        self.proj = DecodeProjections(model, projections)  # (its buffers: read by the graph)
         self.cache = KVCache(model.config, batch, slots, dtype, device)
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)  # static input
         self.want_graph = graph
@@ -191,16 +205,20 @@ class DecodeStep:
 _GRAPHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _step_for(model, batch: int, slots: int, device, graph: bool, log) -> DecodeStep:
-    """A DecodeStep for these shapes: with CUDA graphs the model's previous one when its shapes
-    and the model's weights (the graph reads them by address) are the same."""
+def _step_for(model, batch: int, slots: int, device, graph: bool, log,
+              projections: str = "packed") -> DecodeStep:
+    """A DecodeStep for these shapes: with CUDA graphs the model's previous one when its shapes,
+    projections mode and the model's weights (the graph reads them by address) are the same."""
     if not graph:
-        return DecodeStep(model, batch, slots, device, False, log)
-    key = (batch, slots, device, tuple(p.data_ptr() for p in model.parameters()))
+        return DecodeStep(model, batch, slots, device, False, log, projections)
+
+    def key():
+        return (batch, slots, device, projections, tuple(p.data_ptr() for p in model.parameters()))
+
     kept = _GRAPHED.get(model)
-    if kept is not None and kept[0] == key:
+    if kept is not None and kept[0] == key():
         return kept[1]
     _GRAPHED.pop(model, None)  # free the old graph and cache first
-    step = DecodeStep(model, batch, slots, device, True, log)
-    _GRAPHED[model] = (key, step)
+    step = DecodeStep(model, batch, slots, device, True, log, projections)
+    _GRAPHED[model] = (key(), step)  # (after the step: making it may pack the weights)
     return step

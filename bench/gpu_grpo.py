@@ -105,22 +105,65 @@ def timed_steps(args, device, generate, train) -> tuple[list[float], list[float]
 
 
 @torch.no_grad()
-def decode_vs_forward(model, ids: list[int], device) -> float:
-    """max |prefill logits - forward logits| / max |forward logits| of the last prompt token:
-    the decode path (KV cache) must see the adapter as trained (run after the timed steps)."""
-    from leantune.generate.cache import KVCache
+def drift(model, ids: list[int], device) -> dict:
+    """After training, max |x - forward logits| / max |forward logits| of the last prompt token,
+    for x = the prefill over a fresh KV cache ("decode_vs_forward"), the kept (CUDA-graph)
+    decode step after a prefill of all but the last token ("step_vs_forward": the adapter as
+    trained must reach the graph's buffers), and, as the noise floor of the dtype, the forward
+    through the other attention kernels (mask path vs causal/varlen: "forward_vs_forward")."""
+    from leantune.generate.decode import _step_for
 
     was = model.training
     model.eval()
+    x = torch.tensor([ids], device=device)
+
+    def rel(a, b):
+        return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
     try:
-        x = torch.tensor([ids], device=device)
-        cache = KVCache(model.config, 1, len(ids), model.output_weight().dtype, device)
-        positions, meta = cache.meta(len(ids))
-        a = model.forward_cached(x, positions, meta).float()
-        b = model(x).logits[:, -1].float()
+        ref = model(x).logits[:, -1]
+        step = _step_for(model, 1, len(ids), device, device.type == "cuda", None,
+                         getattr(model, "_bench_projections", "packed"))
+        step.proj.refresh()
+        with step.proj.installed():
+            cache = step.cache
+            cache.pad.zero_()
+            cache.start.fill_(0)
+            positions, meta = cache.meta(len(ids))
+            prefill = model.forward_cached(x, positions, meta)
+            cache.start.fill_(0)
+            positions, meta = cache.meta(len(ids) - 1)
+            model.forward_cached(x[:, :-1], positions, meta)
+            cache.start.fill_(len(ids) - 1)
+            stepped = step(model, x[:, -1]).clone()
+        path = model.attention_path
+        model.attention_path = "mask"
+        try:
+            other = model(x).logits[:, -1]
+        finally:
+            model.attention_path = path
     finally:
         model.train(was)
-    return float((a - b).abs().max() / b.abs().max())
+    return {"decode_vs_forward": rel(prefill, ref), "step_vs_forward": rel(stepped, ref),
+            "forward_vs_forward": rel(other, ref)}
+
+
+def generation_by_mode(args, device, obj, model, prompts) -> dict:
+    """Median generate_window seconds per decode-projections mode (after one untimed call that
+    captures that mode's graph), the same rollouts: plain, precast, packed."""
+    out = {}
+    for mode in ("plain", "precast", "packed"):
+        obj.decode_projections = mode
+        times = []
+        for i in range(1 + max(1, args.steps // 2)):
+            sync(device)
+            t0 = time.perf_counter()
+            obj.generate_window(model, [prompts], 1000 + i)
+            sync(device)
+            times.append(time.perf_counter() - t0)
+        out[mode] = median(times[1:])
+    obj.decode_projections = args.projections
+    return out
 
 
 def bench_leantune(args, device) -> dict:
@@ -129,6 +172,7 @@ def bench_leantune(args, device) -> dict:
     trainer = make_trainer(args.shape, plan_batch, args.policy, args.steps, device)
     with tempfile.TemporaryDirectory() as out:
         obj = grpo_objective(args, out)
+        obj.decode_projections = args.projections
         trainer.objective = obj
         model = trainer.model
         prompts = PromptBatch(obj.dataset.items, list(range(args.prompts)))
@@ -144,14 +188,17 @@ def bench_leantune(args, device) -> dict:
         peak, metrics = peak_gib(device), obj.rollout_metrics
         ntok = obj.tokens(last)
         lora_b = max(float(p.abs().max()) for n, p in model.named_parameters() if "lora_B" in n)
-        drift = decode_vs_forward(model, prompts.items[0].ids, device)
+        model._bench_projections = args.projections
+        checks = drift(model, prompts.items[0].ids, device)
+        modes = generation_by_mode(args, device, obj, model, prompts) if args.modes else {}
     plan = getattr(trainer, "activation_policy", args.policy)
     del trainer, model
     g, t = median(gen), median(train)
     return {"step_s": g + t, "generation_s": g, "training_s": t, "peak_gib": peak,
             "plan": str(plan), "loss0": losses[0], "completion_len": metrics["completion_len"],
             "gen_tokens_per_s": rows * args.completion / g, "train_tokens": ntok,
-            "decode_vs_forward": drift, "lora_b_max": lora_b}
+            "lora_b_max": lora_b, "projections": args.projections, **checks,
+            **{f"gen_s_{m}": v for m, v in modes.items()}}
 
 
 def bench_trl(args, device) -> dict:
@@ -237,6 +284,11 @@ def main(argv=None) -> int:
                     help="leantune's activation policy (bench/speed.py make_trainer): auto@GiB, "
                          "recompute, offload, keep")
     ap.add_argument("--no-baseline", action="store_true", help="skip TRL")
+    ap.add_argument("--projections", default="packed", choices=("packed", "precast", "plain"),
+                    help="how leantune's decode step runs the LoRA projections "
+                         "(generate/projections.py; packed)")
+    ap.add_argument("--no-modes", dest="modes", action="store_false",
+                    help="skip timing the generation under each projections mode")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true",
                     help="CPU dry run in seconds: the tiny shape, 2 prompts x 4 of 16 + 16 tokens")
@@ -278,8 +330,13 @@ def main(argv=None) -> int:
               flush=True)
     ours = results["leantune"]
     if "decode_vs_forward" in ours:  # the adapter as trained reaches generation
-        print(f"decode vs forward after training (LoRA B max {ours['lora_b_max']:.2e}): "
-              f"{ours['decode_vs_forward']:.2e} relative", flush=True)
+        print(f"after training (LoRA B max {ours['lora_b_max']:.2e}), relative to forward: "
+              f"prefill {ours['decode_vs_forward']:.2e}, decode step "
+              f"{ours['step_vs_forward']:.2e}; forward through other attention kernels "
+              f"{ours['forward_vs_forward']:.2e} (the dtype's noise)", flush=True)
+    if "gen_s_plain" in ours:
+        print("leantune gen s by decode projections: " + ", ".join(
+            f"{m} {ours['gen_s_' + m]:.3f}" for m in ("plain", "precast", "packed")), flush=True)
     if "step_s" in results.get("trl", {}) and "step_s" in results["leantune"]:
         print(f"trl / leantune step time: {results['trl']['step_s'] / results['leantune']['step_s']:.2f}x")
     return 0

@@ -181,6 +181,8 @@ class GRPOObjective(Objective):
         self.rollout_metrics: dict[str, float] = {}
         self.tokenizer = None
         self.eos_ids = None
+        # how the rollouts' decode step runs the LoRA projections (generate/projections.py)
+        self.decode_projections = "packed"
 
     # --- data ------------------------------------------------------------------------------
     def build_data(self, tokenizer, train_data, eval_data):
@@ -265,7 +267,8 @@ class GRPOObjective(Objective):
             done = decode(model, ids, s.max_completion_tokens,
                           Sampling(temperature=s.temperature, top_p=s.top_p, seed=seed),
                           self.eos_ids, cuda_graphs=True,
-                          min_slots=(longest or 0) + s.max_completion_tokens)
+                          min_slots=(longest or 0) + s.max_completion_tokens,
+                          projections=self.decode_projections)
             seqs.append((ids, done, pb))
         if device.type == "cuda":
             torch.cuda.synchronize(device)

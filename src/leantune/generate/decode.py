@@ -3,14 +3,18 @@
     prompts (token ids, any lengths) -> left-padded [B, P] -> prefill: fills the KV cache,
     logits of each prompt's last token -> sample -> step: the B new tokens -> logits -> ...
 
-Each row stops at the first of its EOS ids, when its text holds a stop string (`stop_check`),
-or after max_new_tokens; the batch runs until every row has stopped. Finished rows keep being
-computed (the shapes stay static) and what they produce is dropped.
+Rows with the same prompt share one prefill (`share_prompts`). Each row stops at the first of
+its EOS ids, when its text holds a stop string (`stop_check`), or after max_new_tokens; the
+batch runs until every row has stopped. Finished rows keep being computed (the shapes stay
+static) and what they produce is dropped.
 
 Host syncs: the new tokens stay on the device; the host reads them back every `check_every`
 steps to see which rows have stopped. On CUDA that is every 8 steps (a read-back waits for the
 GPU, so the host cannot queue the next steps meanwhile; at most 7 steps are wasted after the last
 row stops), every step on the CPU and when streaming.
+
+Projections: the decode step runs LoRA projections packed or with the adapter precast once per
+call (generate/projections.py), fewer kernels than the model's own forward, the same values.
 
 CUDA graphs: on CUDA the decode step (the model's forward over the cache, 1 token a row) is
 captured once per (rows, slots) and replayed; the sampling stays eager. A capture that fails
@@ -74,7 +78,8 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int,
            cuda_graphs: bool = True, check_every: int | None = None,
            on_tokens: Callable[[list[list[int]]], None] | None = None,
            log: Callable[[str], None] | None = None,
-           min_slots: int | None = None, projections: str = "packed") -> list[Decoded]:
+           min_slots: int | None = None, projections: str = "packed",
+           share_prompts: bool = True) -> list[Decoded]:
     """Generate up to `max_new_tokens` tokens after each prompt (token id lists) in one batch.
 
     Args:
@@ -92,6 +97,9 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int,
             of the decode step are made once and reused: GRPO's rollouts).
         projections: "packed" (default), "precast" or "plain": how the step runs the LoRA
             projections (generate/projections.py; the same tokens, fewer kernels).
+        share_prompts: rows with the same prompt (GRPO's G completions of one prompt) share one
+            prefill: the distinct prompts are prefilled, then their keys/values and logits are
+            copied to the rows that repeat them (`_prefill`).
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
@@ -110,25 +118,55 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int,
         step.proj.refresh()  # the adapter as trained since the graph was captured
         with step.proj.installed():
             return _run(model, step, prompts, max_new_tokens, sampling, eos_ids, stop_check,
-                        check_every, on_tokens, device)
+                        check_every, on_tokens, device, share_prompts)
     finally:
         model.train(was_training)
 
 
-def _run(model, step, prompts, max_new_tokens, sampling, eos_ids, stop_check, check_every,
-         on_tokens, device) -> list[Decoded]:
-    """decode's loop (the model in eval mode, the step's projections installed)."""
-    cache = step.cache
-    P, B = max(len(p) for p in prompts), len(prompts)
-    ids = torch.zeros(B, P, dtype=torch.long)
+def _left_padded(prompts: list[list[int]], P: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [B, P] left-padded with 0, pad [B]: each row's padding slots)."""
+    ids = torch.zeros(len(prompts), P, dtype=torch.long)
     for row, p in enumerate(prompts):
         ids[row, P - len(p):] = torch.tensor(p)
-    cache.pad.copy_(torch.tensor([P - len(p) for p in prompts]))
+    return ids, torch.tensor([P - len(p) for p in prompts])
+
+
+def _prefill(model, cache: KVCache, prompts: list[list[int]], device, share: bool
+             ) -> torch.Tensor:
+    """Fill the cache's first P slots with the prompts' keys/values; returns the logits [B, V]
+    of each row's last prompt token. With `share` and repeated prompts, only the U distinct
+    ones run (in a temporary cache of U rows and P slots); row b then gets a copy of its
+    prompt's keys/values and logits (2 x layers copies: the forward of B - U rows saved)."""
+    P, B = max(len(p) for p in prompts), len(prompts)
+    first: dict[tuple, int] = {}
+    src = [first.setdefault(tuple(p), len(first)) for p in prompts]  # row -> distinct prompt
+    ids, pad = _left_padded(prompts, P)
+    cache.pad.copy_(pad)
     cache.start.fill_(0)
-    positions, meta = cache.meta(P)
-    logits = model.forward_cached(ids.to(device), positions, meta)  # prefill
+    if not share or len(first) == B:
+        positions, meta = cache.meta(P)
+        return model.forward_cached(ids.to(device), positions, meta)
+    unique = [list(p) for p in first]
+    tmp = KVCache(model.config, len(unique), P, cache.k[0].dtype, device)
+    uids, upad = _left_padded(unique, P)
+    tmp.pad.copy_(upad)
+    positions, meta = tmp.meta(P)
+    logits = model.forward_cached(uids.to(device), positions, meta)
+    index = torch.tensor(src, device=device)
+    for full, part in ((cache.k, tmp.k), (cache.v, tmp.v)):
+        for layer, buf in enumerate(part):
+            full[layer][:, :P].copy_(buf.index_select(0, index))
+    return logits.index_select(0, index)
+
+
+def _run(model, step, prompts, max_new_tokens, sampling, eos_ids, stop_check, check_every,
+         on_tokens, device, share_prompts: bool = True) -> list[Decoded]:
+    """decode's loop (the model in eval mode, the step's projections installed)."""
+    cache = step.cache
+    P = max(len(p) for p in prompts)
+    logits = _prefill(model, cache, prompts, device, share_prompts)
     sampler = Sampler(sampling or Sampling(), prompts, logits.shape[-1], device)
-    out = torch.empty(B, max_new_tokens, dtype=torch.long, device=device)
+    out = torch.empty(len(prompts), max_new_tokens, dtype=torch.long, device=device)
     rows = [_Row() for _ in prompts]
     eos = set(int(i) for i in eos_ids)
     every = check_every or (1 if device.type != "cuda" or on_tokens else CUDA_CHECK_EVERY)

@@ -150,10 +150,12 @@ def drift(model, ids: list[int], device) -> dict:
 
 def generation_by_mode(args, device, obj, model, prompts) -> dict:
     """Median generate_window seconds per decode-projections mode (after one untimed call that
-    captures that mode's graph), the same rollouts: plain, precast, packed."""
+    captures that mode's graph), the same rollouts: plain, precast, packed, and packed without
+    the shared prefill of repeated prompts (packed-noshare)."""
     out = {}
-    for mode in ("plain", "precast", "packed"):
-        obj.decode_projections = mode
+    for mode in ("plain", "precast", "packed", "packed-noshare"):
+        obj.decode_projections = mode.split("-")[0]
+        obj.decode_share_prompts = not mode.endswith("noshare")
         times = []
         for i in range(1 + max(1, args.steps // 2)):
             sync(device)
@@ -162,7 +164,7 @@ def generation_by_mode(args, device, obj, model, prompts) -> dict:
             sync(device)
             times.append(time.perf_counter() - t0)
         out[mode] = median(times[1:])
-    obj.decode_projections = args.projections
+    obj.decode_projections, obj.decode_share_prompts = args.projections, True
     return out
 
 
@@ -336,7 +338,8 @@ def main(argv=None) -> int:
               f"{ours['forward_vs_forward']:.2e} (the dtype's noise)", flush=True)
     if "gen_s_plain" in ours:
         print("leantune gen s by decode projections: " + ", ".join(
-            f"{m} {ours['gen_s_' + m]:.3f}" for m in ("plain", "precast", "packed")), flush=True)
+            f"{m} {ours['gen_s_' + m]:.3f}" for m in ("plain", "precast", "packed", "packed-noshare")),
+            flush=True)
     if "step_s" in results.get("trl", {}) and "step_s" in results["leantune"]:
         print(f"trl / leantune step time: {results['trl']['step_s'] / results['leantune']['step_s']:.2f}x")
     return 0

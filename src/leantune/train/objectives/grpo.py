@@ -183,6 +183,7 @@ class GRPOObjective(Objective):
         self.eos_ids = None
         # how the rollouts' decode step runs the LoRA projections (generate/projections.py)
         self.decode_projections = "packed"
+        self.decode_share_prompts = True  # one prefill per distinct prompt (decode's switch)
 
     # --- data ------------------------------------------------------------------------------
     def build_data(self, tokenizer, train_data, eval_data):
@@ -268,7 +269,8 @@ class GRPOObjective(Objective):
                           Sampling(temperature=s.temperature, top_p=s.top_p, seed=seed),
                           self.eos_ids, cuda_graphs=True,
                           min_slots=(longest or 0) + s.max_completion_tokens,
-                          projections=self.decode_projections)
+                          projections=self.decode_projections,
+                          share_prompts=self.decode_share_prompts)
             seqs.append((ids, done, pb))
         if device.type == "cuda":
             torch.cuda.synchronize(device)

@@ -144,3 +144,13 @@ def test_packed_step_runs_fewer_gemms_and_no_adapter_casts():
     assert gemms["plain"] - gemms["packed"] == 12 * L
     assert counts["plain"]["adapter casts"] == 14 * L
     assert counts["packed"]["adapter casts"] == 0
+
+
+def test_compiled_layers_keep_the_plain_path():
+    model = packed_model("llama")
+    model.layers[0]._compiled_call_impl = lambda *a, **k: None  # as nn.Module.compile leaves it
+    proj = DecodeProjections(model, "packed")
+    layer0 = model.layers[0]
+    mods = {id(m) for m, _ in proj.forwards}
+    assert not mods & {id(m) for m in layer0.modules()}
+    assert proj.packed_groups == 3 * (len(model.layers) - 1)

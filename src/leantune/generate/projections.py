@@ -132,8 +132,9 @@ class DecodeProjections:
 
         dtype = model.model.embed_tokens.weight.dtype
         for layer in model.layers:
-            if not hasattr(layer.mlp, "gate_proj"):
-                continue  # (MoE layers: the plain path)
+            if (not hasattr(layer.mlp, "gate_proj")
+                    or getattr(layer, "_compiled_call_impl", None) is not None):
+                continue  # MoE layers, layers under torch.compile (--compile): the plain path
             weights = getattr(layer.executor, "weights", None) if mode == "packed" else None
             qkv, o, gu, down = layer_groups(layer)
             done = set()

@@ -185,8 +185,16 @@ def bench_leantune(args, device) -> dict:
             last[:] = window
             return trainer.train_step(window)[0]
 
-        gen, train, losses = timed_steps(
-            args, device, lambda i: obj.generate_window(model, [prompts], i), train_step)
+        from leantune.generate.decode import COUNTS
+
+        def generate(i):
+            if i == args.warmup:  # from the first timed step on, nothing is made again
+                counts.update(COUNTS)
+            return obj.generate_window(model, [prompts], i)
+
+        counts = dict(COUNTS)
+        gen, train, losses = timed_steps(args, device, generate, train_step)
+        remade = {k: COUNTS[k] - counts[k] for k in COUNTS}
         peak, metrics = peak_gib(device), obj.rollout_metrics
         ntok = obj.tokens(last)
         lora_b = max(float(p.abs().max()) for n, p in model.named_parameters() if "lora_B" in n)
@@ -200,6 +208,7 @@ def bench_leantune(args, device) -> dict:
             "plan": str(plan), "loss0": losses[0], "completion_len": metrics["completion_len"],
             "gen_tokens_per_s": rows * args.completion / g, "train_tokens": ntok,
             "lora_b_max": lora_b, "projections": args.projections, **checks,
+            "timed_steps_made": remade["steps"], "timed_captures": remade["captures"],
             **{f"gen_s_{m}": v for m, v in modes.items()}}
 
 
@@ -336,6 +345,10 @@ def main(argv=None) -> int:
               f"prefill {ours['decode_vs_forward']:.2e}, decode step "
               f"{ours['step_vs_forward']:.2e}; forward through other attention kernels "
               f"{ours['forward_vs_forward']:.2e} (the dtype's noise)", flush=True)
+    if "timed_captures" in ours:
+        print(f"leantune decode steps made / CUDA graphs captured during the timed steps: "
+              f"{ours['timed_steps_made']} / {ours['timed_captures']} (graphs: expected 0)",
+              flush=True)
     if "gen_s_plain" in ours:
         print("leantune gen s by decode projections: " + ", ".join(
             f"{m} {ours['gen_s_' + m]:.3f}" for m in ("plain", "precast", "packed", "packed-noshare")),

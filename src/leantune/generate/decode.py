@@ -38,6 +38,9 @@ from .sampling import Sampler, Sampling
 EOS, STOP_STRING, LENGTH = "eos", "stop string", "length"
 GRAPH_SLOTS = 256  # with CUDA graphs, cache slots are a multiple of this (graphs get reused)
 CUDA_CHECK_EVERY = 8
+# how many decode steps were made and CUDA graphs captured in this process (a graph kept for
+# reuse is captured once per run: benchmarks check that no step re-captures)
+COUNTS = {"steps": 0, "captures": 0}
 
 
 @dataclass
@@ -198,6 +201,7 @@ class DecodeStep:
                  log=None, projections: str = "packed"):
         dtype = model.model.embed_tokens.weight.dtype
         self.proj = DecodeProjections(model, projections)  # (its buffers: read by the graph)
+        COUNTS["steps"] += 1
         self.cache = KVCache(model.config, batch, slots, dtype, device)
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)  # static input
         self.want_graph = graph
@@ -234,6 +238,7 @@ class DecodeStep:
                 self._forward(model)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
+        COUNTS["captures"] += 1
         with torch.cuda.graph(graph):
             self.logits = self._forward(model)
         self.graph = graph

@@ -19,6 +19,12 @@ peak = torch.cuda.max_memory_allocated over the whole step (weights included).
               gradient checkpointing), backward, clip, AdamW. (The Trainer loop around them is
               left out: a lower bound on TRL's step.)
 
+    After the table: the drift of the prefill and of the kept CUDA-graph decode step from the
+    forward after training, beside the forward-vs-forward noise floor of the dtype; the decode
+    steps made / graphs captured during the timed steps (0 / 0 expected); leantune's generation
+    seconds under each decode-projections mode (generate/projections.py) and without the shared
+    prefill (--no-modes skips that).
+
     # H200
     PYTHONPATH=src python bench/gpu_grpo.py
     PYTHONPATH=src python bench/gpu_grpo.py --shape qwen3-0.6b

@@ -6,7 +6,10 @@ One optimizer step (the step runner, train/runner.py, asks `next_window` for its
         batch_size prompts (PromptLoader) -> G = num_generations completions each, sampled by
         generate.decode with the adapter live (static KV cache sized once for the longest
         prompt + max_completion_tokens; on CUDA the decode step's CUDA graph is captured once
-        and replayed for the whole run), temperature / top_p, stopping at EOS / end of turn
+        and replayed for the whole run; one prefill per distinct prompt, copied to its G rows;
+        the LoRA projections over the engine's packed weights, generate/projections.py:
+        `decode_share_prompts` / `decode_projections` switch them), temperature / top_p,
+        stopping at EOS / end of turn
     -> rewards (train/rewards.py, each function once over the window's completions)
     -> group-normalised advantages over the window (losses/grpo.py: --scale-rewards)
     -> the B x G (prompt, completion) sequences packed as documents of packed rows (no

@@ -19,6 +19,12 @@ peak = torch.cuda.max_memory_allocated over the whole step (weights included).
               gradient checkpointing), backward, clip, AdamW. (The Trainer loop around them is
               left out: a lower bound on TRL's step.)
 
+    After the table: the drift of the prefill and of the kept CUDA-graph decode step from the
+    forward after training, beside the forward-vs-forward noise floor of the dtype; the decode
+    steps made / graphs captured during the timed steps (0 / 0 expected); leantune's generation
+    seconds under each decode-projections mode (generate/projections.py) and without the shared
+    prefill (--no-modes skips that).
+
     # H200
     PYTHONPATH=src python bench/gpu_grpo.py
     PYTHONPATH=src python bench/gpu_grpo.py --shape qwen3-0.6b
@@ -105,22 +111,67 @@ def timed_steps(args, device, generate, train) -> tuple[list[float], list[float]
 
 
 @torch.no_grad()
-def decode_vs_forward(model, ids: list[int], device) -> float:
-    """max |prefill logits - forward logits| / max |forward logits| of the last prompt token:
-    the decode path (KV cache) must see the adapter as trained (run after the timed steps)."""
-    from leantune.generate.cache import KVCache
+def drift(model, ids: list[int], device) -> dict:
+    """After training, max |x - forward logits| / max |forward logits| of the last prompt token,
+    for x = the prefill over a fresh KV cache ("decode_vs_forward"), the kept (CUDA-graph)
+    decode step after a prefill of all but the last token ("step_vs_forward": the adapter as
+    trained must reach the graph's buffers), and, as the noise floor of the dtype, the forward
+    through the other attention kernels (mask path vs causal/varlen: "forward_vs_forward")."""
+    from leantune.generate.decode import _step_for
 
     was = model.training
     model.eval()
+    x = torch.tensor([ids], device=device)
+
+    def rel(a, b):
+        return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
     try:
-        x = torch.tensor([ids], device=device)
-        cache = KVCache(model.config, 1, len(ids), model.output_weight().dtype, device)
-        positions, meta = cache.meta(len(ids))
-        a = model.forward_cached(x, positions, meta).float()
-        b = model(x).logits[:, -1].float()
+        ref = model(x).logits[:, -1]
+        step = _step_for(model, 1, len(ids), device, device.type == "cuda", None,
+                         getattr(model, "_bench_projections", "packed"))
+        step.proj.refresh()
+        with step.proj.installed():
+            cache = step.cache
+            cache.pad.zero_()
+            cache.start.fill_(0)
+            positions, meta = cache.meta(len(ids))
+            prefill = model.forward_cached(x, positions, meta)
+            cache.start.fill_(0)
+            positions, meta = cache.meta(len(ids) - 1)
+            model.forward_cached(x[:, :-1], positions, meta)
+            cache.start.fill_(len(ids) - 1)
+            stepped = step(model, x[:, -1]).clone()
+        path = model.attention_path
+        model.attention_path = "mask"
+        try:
+            other = model(x).logits[:, -1]
+        finally:
+            model.attention_path = path
     finally:
         model.train(was)
-    return float((a - b).abs().max() / b.abs().max())
+    return {"decode_vs_forward": rel(prefill, ref), "step_vs_forward": rel(stepped, ref),
+            "forward_vs_forward": rel(other, ref)}
+
+
+def generation_by_mode(args, device, obj, model, prompts) -> dict:
+    """Median generate_window seconds per decode-projections mode (after one untimed call that
+    captures that mode's graph), the same rollouts: plain, precast, packed, and packed without
+    the shared prefill of repeated prompts (packed-noshare)."""
+    out = {}
+    for mode in ("plain", "precast", "packed", "packed-noshare"):
+        obj.decode_projections = mode.split("-")[0]
+        obj.decode_share_prompts = not mode.endswith("noshare")
+        times = []
+        for i in range(1 + max(1, args.steps // 2)):
+            sync(device)
+            t0 = time.perf_counter()
+            obj.generate_window(model, [prompts], 1000 + i)
+            sync(device)
+            times.append(time.perf_counter() - t0)
+        out[mode] = median(times[1:])
+    obj.decode_projections, obj.decode_share_prompts = args.projections, True
+    return out
 
 
 def bench_leantune(args, device) -> dict:
@@ -129,6 +180,7 @@ def bench_leantune(args, device) -> dict:
     trainer = make_trainer(args.shape, plan_batch, args.policy, args.steps, device)
     with tempfile.TemporaryDirectory() as out:
         obj = grpo_objective(args, out)
+        obj.decode_projections = args.projections
         trainer.objective = obj
         model = trainer.model
         prompts = PromptBatch(obj.dataset.items, list(range(args.prompts)))
@@ -139,19 +191,31 @@ def bench_leantune(args, device) -> dict:
             last[:] = window
             return trainer.train_step(window)[0]
 
-        gen, train, losses = timed_steps(
-            args, device, lambda i: obj.generate_window(model, [prompts], i), train_step)
+        from leantune.generate.decode import COUNTS
+
+        def generate(i):
+            if i == args.warmup:  # from the first timed step on, nothing is made again
+                counts.update(COUNTS)
+            return obj.generate_window(model, [prompts], i)
+
+        counts = dict(COUNTS)
+        gen, train, losses = timed_steps(args, device, generate, train_step)
+        remade = {k: COUNTS[k] - counts[k] for k in COUNTS}
         peak, metrics = peak_gib(device), obj.rollout_metrics
         ntok = obj.tokens(last)
         lora_b = max(float(p.abs().max()) for n, p in model.named_parameters() if "lora_B" in n)
-        drift = decode_vs_forward(model, prompts.items[0].ids, device)
+        model._bench_projections = args.projections
+        checks = drift(model, prompts.items[0].ids, device)
+        modes = generation_by_mode(args, device, obj, model, prompts) if args.modes else {}
     plan = getattr(trainer, "activation_policy", args.policy)
     del trainer, model
     g, t = median(gen), median(train)
     return {"step_s": g + t, "generation_s": g, "training_s": t, "peak_gib": peak,
             "plan": str(plan), "loss0": losses[0], "completion_len": metrics["completion_len"],
             "gen_tokens_per_s": rows * args.completion / g, "train_tokens": ntok,
-            "decode_vs_forward": drift, "lora_b_max": lora_b}
+            "lora_b_max": lora_b, "projections": args.projections, **checks,
+            "timed_steps_made": remade["steps"], "timed_captures": remade["captures"],
+            **{f"gen_s_{m}": v for m, v in modes.items()}}
 
 
 def bench_trl(args, device) -> dict:
@@ -237,6 +301,11 @@ def main(argv=None) -> int:
                     help="leantune's activation policy (bench/speed.py make_trainer): auto@GiB, "
                          "recompute, offload, keep")
     ap.add_argument("--no-baseline", action="store_true", help="skip TRL")
+    ap.add_argument("--projections", default="packed", choices=("packed", "precast", "plain"),
+                    help="how leantune's decode step runs the LoRA projections "
+                         "(generate/projections.py; packed)")
+    ap.add_argument("--no-modes", dest="modes", action="store_false",
+                    help="skip timing the generation under each projections mode")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true",
                     help="CPU dry run in seconds: the tiny shape, 2 prompts x 4 of 16 + 16 tokens")
@@ -278,8 +347,18 @@ def main(argv=None) -> int:
               flush=True)
     ours = results["leantune"]
     if "decode_vs_forward" in ours:  # the adapter as trained reaches generation
-        print(f"decode vs forward after training (LoRA B max {ours['lora_b_max']:.2e}): "
-              f"{ours['decode_vs_forward']:.2e} relative", flush=True)
+        print(f"after training (LoRA B max {ours['lora_b_max']:.2e}), relative to forward: "
+              f"prefill {ours['decode_vs_forward']:.2e}, decode step "
+              f"{ours['step_vs_forward']:.2e}; forward through other attention kernels "
+              f"{ours['forward_vs_forward']:.2e} (the dtype's noise)", flush=True)
+    if "timed_captures" in ours:
+        print(f"leantune decode steps made / CUDA graphs captured during the timed steps: "
+              f"{ours['timed_steps_made']} / {ours['timed_captures']} (graphs: expected 0)",
+              flush=True)
+    if "gen_s_plain" in ours:
+        print("leantune gen s by decode projections: " + ", ".join(
+            f"{m} {ours['gen_s_' + m]:.3f}" for m in ("plain", "precast", "packed", "packed-noshare")),
+            flush=True)
     if "step_s" in results.get("trl", {}) and "step_s" in results["leantune"]:
         print(f"trl / leantune step time: {results['trl']['step_s'] / results['leantune']['step_s']:.2f}x")
     return 0

@@ -3,14 +3,18 @@
     prompts (token ids, any lengths) -> left-padded [B, P] -> prefill: fills the KV cache,
     logits of each prompt's last token -> sample -> step: the B new tokens -> logits -> ...
 
-Each row stops at the first of its EOS ids, when its text holds a stop string (`stop_check`),
-or after max_new_tokens; the batch runs until every row has stopped. Finished rows keep being
-computed (the shapes stay static) and what they produce is dropped.
+Rows with the same prompt share one prefill (`share_prompts`). Each row stops at the first of
+its EOS ids, when its text holds a stop string (`stop_check`), or after max_new_tokens; the
+batch runs until every row has stopped. Finished rows keep being computed (the shapes stay
+static) and what they produce is dropped.
 
 Host syncs: the new tokens stay on the device; the host reads them back every `check_every`
 steps to see which rows have stopped. On CUDA that is every 8 steps (a read-back waits for the
 GPU, so the host cannot queue the next steps meanwhile; at most 7 steps are wasted after the last
 row stops), every step on the CPU and when streaming.
+
+Projections: the decode step runs LoRA projections packed or with the adapter precast once per
+call (generate/projections.py), fewer kernels than the model's own forward, the same values.
 
 CUDA graphs: on CUDA the decode step (the model's forward over the cache, 1 token a row) is
 captured once per (rows, slots) and replayed; the sampling stays eager. A capture that fails
@@ -28,11 +32,15 @@ from dataclasses import dataclass
 import torch
 
 from .cache import KVCache
+from .projections import DecodeProjections
 from .sampling import Sampler, Sampling
 
 EOS, STOP_STRING, LENGTH = "eos", "stop string", "length"
 GRAPH_SLOTS = 256  # with CUDA graphs, cache slots are a multiple of this (graphs get reused)
 CUDA_CHECK_EVERY = 8
+# how many decode steps were made and CUDA graphs captured in this process (a graph kept for
+# reuse is captured once per run: benchmarks check that no step re-captures)
+COUNTS = {"steps": 0, "captures": 0}
 
 
 @dataclass
@@ -73,7 +81,8 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int,
            cuda_graphs: bool = True, check_every: int | None = None,
            on_tokens: Callable[[list[list[int]]], None] | None = None,
            log: Callable[[str], None] | None = None,
-           min_slots: int | None = None) -> list[Decoded]:
+           min_slots: int | None = None, projections: str = "packed",
+           share_prompts: bool = True) -> list[Decoded]:
     """Generate up to `max_new_tokens` tokens after each prompt (token id lists) in one batch.
 
     Args:
@@ -89,6 +98,11 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int,
         min_slots: the KV cache holds at least this many slots (a caller whose prompts vary
             sizes it for its longest prompt + max_new_tokens, so the cache and the CUDA graph
             of the decode step are made once and reused: GRPO's rollouts).
+        projections: "packed" (default), "precast" or "plain": how the step runs the LoRA
+            projections (generate/projections.py; the same tokens, fewer kernels).
+        share_prompts: rows with the same prompt (GRPO's G completions of one prompt) share one
+            prefill: the distinct prompts are prefilled, then their keys/values and logits are
+            copied to the rows that repeat them (`_prefill`).
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
@@ -103,38 +117,78 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int,
     was_training = model.training
     model.eval()
     try:
-        step = _step_for(model, B, slots, device, graphs, log)
-        cache = step.cache
-        ids = torch.zeros(B, P, dtype=torch.long)
-        for row, p in enumerate(prompts):
-            ids[row, P - len(p):] = torch.tensor(p)
-        cache.pad.copy_(torch.tensor([P - len(p) for p in prompts]))
-        cache.start.fill_(0)
-        positions, meta = cache.meta(P)
-        logits = model.forward_cached(ids.to(device), positions, meta)  # prefill
-        sampler = Sampler(sampling or Sampling(), prompts, logits.shape[-1], device)
-        out = torch.empty(B, max_new_tokens, dtype=torch.long, device=device)
-        rows = [_Row() for _ in prompts]
-        eos = set(int(i) for i in eos_ids)
-        every = check_every or (1 if device.type != "cuda" or on_tokens else CUDA_CHECK_EVERY)
-        read = 0
-        for i in range(max_new_tokens):
-            tokens = sampler(logits)
-            out[:, i] = tokens
-            last = i + 1 == max_new_tokens
-            if last or (i + 1) % every == 0:
-                new = out[:, read:i + 1].tolist()  # the host sync
-                read = i + 1
-                kept = [row.extend(n, eos, stop_check) for row, n in zip(rows, new)]
-                if on_tokens is not None:
-                    on_tokens(kept)
-                if all(row.stopped for row in rows):
-                    break
-            if not last:
-                cache.start.fill_(P + i)  # the slot of the token just chosen
-                logits = step(model, tokens)
+        step = _step_for(model, B, slots, device, graphs, log, projections)
+        step.proj.refresh()  # the adapter as trained since the graph was captured
+        with step.proj.installed():
+            return _run(model, step, prompts, max_new_tokens, sampling, eos_ids, stop_check,
+                        check_every, on_tokens, device, share_prompts)
     finally:
         model.train(was_training)
+
+
+def _left_padded(prompts: list[list[int]], P: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [B, P] left-padded with 0, pad [B]: each row's padding slots)."""
+    ids = torch.zeros(len(prompts), P, dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, P - len(p):] = torch.tensor(p)
+    return ids, torch.tensor([P - len(p) for p in prompts])
+
+
+def _prefill(model, cache: KVCache, prompts: list[list[int]], device, share: bool
+             ) -> torch.Tensor:
+    """Fill the cache's first P slots with the prompts' keys/values; returns the logits [B, V]
+    of each row's last prompt token. With `share` and repeated prompts, only the U distinct
+    ones run (in a temporary cache of U rows and P slots); row b then gets a copy of its
+    prompt's keys/values and logits (2 x layers copies: the forward of B - U rows saved)."""
+    P, B = max(len(p) for p in prompts), len(prompts)
+    first: dict[tuple, int] = {}
+    src = [first.setdefault(tuple(p), len(first)) for p in prompts]  # row -> distinct prompt
+    ids, pad = _left_padded(prompts, P)
+    cache.pad.copy_(pad)
+    cache.start.fill_(0)
+    if not share or len(first) == B:
+        positions, meta = cache.meta(P)
+        return model.forward_cached(ids.to(device), positions, meta)
+    unique = [list(p) for p in first]
+    tmp = KVCache(model.config, len(unique), P, cache.k[0].dtype, device)
+    uids, upad = _left_padded(unique, P)
+    tmp.pad.copy_(upad)
+    positions, meta = tmp.meta(P)
+    logits = model.forward_cached(uids.to(device), positions, meta)
+    index = torch.tensor(src, device=device)
+    for full, part in ((cache.k, tmp.k), (cache.v, tmp.v)):
+        for layer, buf in enumerate(part):
+            full[layer][:, :P].copy_(buf.index_select(0, index))
+    return logits.index_select(0, index)
+
+
+def _run(model, step, prompts, max_new_tokens, sampling, eos_ids, stop_check, check_every,
+         on_tokens, device, share_prompts: bool = True) -> list[Decoded]:
+    """decode's loop (the model in eval mode, the step's projections installed)."""
+    cache = step.cache
+    P = max(len(p) for p in prompts)
+    logits = _prefill(model, cache, prompts, device, share_prompts)
+    sampler = Sampler(sampling or Sampling(), prompts, logits.shape[-1], device)
+    out = torch.empty(len(prompts), max_new_tokens, dtype=torch.long, device=device)
+    rows = [_Row() for _ in prompts]
+    eos = set(int(i) for i in eos_ids)
+    every = check_every or (1 if device.type != "cuda" or on_tokens else CUDA_CHECK_EVERY)
+    read = 0
+    for i in range(max_new_tokens):
+        tokens = sampler(logits)
+        out[:, i] = tokens
+        last = i + 1 == max_new_tokens
+        if last or (i + 1) % every == 0:
+            new = out[:, read:i + 1].tolist()  # the host sync
+            read = i + 1
+            kept = [row.extend(n, eos, stop_check) for row, n in zip(rows, new)]
+            if on_tokens is not None:
+                on_tokens(kept)
+            if all(row.stopped for row in rows):
+                break
+        if not last:
+            cache.start.fill_(P + i)  # the slot of the token just chosen
+            logits = step(model, tokens)
     return [Decoded(row.ids, row.stopped or LENGTH) for row in rows]
 
 
@@ -144,8 +198,10 @@ class DecodeStep:
     reference to the model, which keys the graphs kept for reuse.)"""
 
     def __init__(self, model, batch: int, slots: int, device: torch.device, graph: bool,
-                 log=None):
+                 log=None, projections: str = "packed"):
         dtype = model.model.embed_tokens.weight.dtype
+        self.proj = DecodeProjections(model, projections)  # (its buffers: read by the graph)
+        COUNTS["steps"] += 1
         self.cache = KVCache(model.config, batch, slots, dtype, device)
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)  # static input
         self.want_graph = graph
@@ -182,6 +238,7 @@ class DecodeStep:
                 self._forward(model)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
+        COUNTS["captures"] += 1
         with torch.cuda.graph(graph):
             self.logits = self._forward(model)
         self.graph = graph
@@ -191,16 +248,20 @@ class DecodeStep:
 _GRAPHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _step_for(model, batch: int, slots: int, device, graph: bool, log) -> DecodeStep:
-    """A DecodeStep for these shapes: with CUDA graphs the model's previous one when its shapes
-    and the model's weights (the graph reads them by address) are the same."""
+def _step_for(model, batch: int, slots: int, device, graph: bool, log,
+              projections: str = "packed") -> DecodeStep:
+    """A DecodeStep for these shapes: with CUDA graphs the model's previous one when its shapes,
+    projections mode and the model's weights (the graph reads them by address) are the same."""
     if not graph:
-        return DecodeStep(model, batch, slots, device, False, log)
-    key = (batch, slots, device, tuple(p.data_ptr() for p in model.parameters()))
+        return DecodeStep(model, batch, slots, device, False, log, projections)
+
+    def key():
+        return (batch, slots, device, projections, tuple(p.data_ptr() for p in model.parameters()))
+
     kept = _GRAPHED.get(model)
-    if kept is not None and kept[0] == key:
+    if kept is not None and kept[0] == key():
         return kept[1]
     _GRAPHED.pop(model, None)  # free the old graph and cache first
-    step = DecodeStep(model, batch, slots, device, True, log)
-    _GRAPHED[model] = (key, step)
+    step = DecodeStep(model, batch, slots, device, True, log, projections)
+    _GRAPHED[model] = (key(), step)  # (after the step: making it may pack the weights)
     return step

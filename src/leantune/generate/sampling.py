@@ -83,7 +83,8 @@ class Sampler:
                                  scores)
         if s.greedy:
             return scores
-        scores = scores / s.temperature
+        if s.temperature != 1.0:  # (x / 1 is x: one kernel less per token)
+            scores = scores / s.temperature
         if s.top_k:
             kth = torch.topk(scores, min(s.top_k, scores.shape[-1])).values[:, -1:]
             scores = scores.masked_fill(scores < kth, -math.inf)

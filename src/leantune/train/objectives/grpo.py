@@ -6,7 +6,10 @@ One optimizer step (the step runner, train/runner.py, asks `next_window` for its
         batch_size prompts (PromptLoader) -> G = num_generations completions each, sampled by
         generate.decode with the adapter live (static KV cache sized once for the longest
         prompt + max_completion_tokens; on CUDA the decode step's CUDA graph is captured once
-        and replayed for the whole run), temperature / top_p, stopping at EOS / end of turn
+        and replayed for the whole run; one prefill per distinct prompt, copied to its G rows;
+        the LoRA projections over the engine's packed weights, generate/projections.py:
+        `decode_share_prompts` / `decode_projections` switch them), temperature / top_p,
+        stopping at EOS / end of turn
     -> rewards (train/rewards.py, each function once over the window's completions)
     -> group-normalised advantages over the window (losses/grpo.py: --scale-rewards)
     -> the B x G (prompt, completion) sequences packed as documents of packed rows (no
@@ -181,6 +184,9 @@ class GRPOObjective(Objective):
         self.rollout_metrics: dict[str, float] = {}
         self.tokenizer = None
         self.eos_ids = None
+        # how the rollouts' decode step runs the LoRA projections (generate/projections.py)
+        self.decode_projections = "packed"
+        self.decode_share_prompts = True  # one prefill per distinct prompt (decode's switch)
 
     # --- data ------------------------------------------------------------------------------
     def build_data(self, tokenizer, train_data, eval_data):
@@ -265,7 +271,9 @@ class GRPOObjective(Objective):
             done = decode(model, ids, s.max_completion_tokens,
                           Sampling(temperature=s.temperature, top_p=s.top_p, seed=seed),
                           self.eos_ids, cuda_graphs=True,
-                          min_slots=(longest or 0) + s.max_completion_tokens)
+                          min_slots=(longest or 0) + s.max_completion_tokens,
+                          projections=self.decode_projections,
+                          share_prompts=self.decode_share_prompts)
             seqs.append((ids, done, pb))
         if device.type == "cuda":
             torch.cuda.synchronize(device)

@@ -1,0 +1,210 @@
+"""The projections of a decode step with fewer, wider kernels (the decode loop's `projections`).
+
+A decode step is a few hundred small kernels; on the GPU each costs a few microseconds even
+inside a CUDA graph, so their number, not the bytes read, sets the step time of small models.
+The plain LoRALinear path runs, per adapted projection, two casts of the adapter (fp32 master
+weights under a bf16 base), x A^T, x W^T and the rank-r addmm: 5 kernels, 35 a layer. Modes:
+
+    "plain"    the model's own forward (the reference).
+    "precast"  each adapter cast to the compute dtype once per decode call, into buffers the
+               step keeps (so the graph reads them by address): 3 kernels a projection.
+    "packed"   (default) where the engine has packed a layer's weights (a trainer's FusedExecutor:
+               engine/weights.py, [W_cat | s B_blockdiag] with LoRA columns), q/k/v, gate/up and
+               down each run as [x | x A_pad^T] @ packed^T: one GEMM for A, one concat, one wide
+               GEMM for the group, and the MLP's GLU reads the gate/up halves in place; the
+               others (o, layers without a packed provider) as "precast".
+
+`refresh()` copies the live adapter into the buffers (A casts, the packed weight's LoRA
+columns); the decode loop calls it at every call, before the prefill, so a graph captured in an
+earlier call sees the adapter as trained since. `installed()` sets the modules' forwards for the
+duration of a decode (instance attributes, removed after); nothing else of the model changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ..lora.function import lora_linear
+
+MODES = ("packed", "precast", "plain")
+
+
+class _Precast:
+    """One LoRALinear with a 16-bit (or fp32) base whose adapter is cast once per call."""
+
+    def __init__(self, m, dtype: torch.dtype):
+        self.m = m
+        self.a = m.lora_A.weight.detach().to(dtype)  # (the parameter itself where dtypes match)
+        self.b = m.lora_B.weight.detach().to(dtype)
+
+    def refresh(self) -> None:
+        for buf, p in ((self.a, self.m.lora_A.weight), (self.b, self.m.lora_B.weight)):
+            if buf.data_ptr() != p.data_ptr():
+                buf.copy_(p)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.m
+        return lora_linear(x, m.weight, m.bias, self.a, self.b, m.scaling)
+
+
+class _Packed:
+    """Projections reading one input (q/k/v, gate/up, down) over the engine's packed weight
+    [sum out, width]: x [..., in] -> [..., sum out] = [x | x A_pad^T] @ packed^T (+ bias), where
+    A_pad [width - in, in] holds the adapted members' A in their LoRA columns' order and zero
+    rows for the padding. None from `make` where the group does not qualify."""
+
+    def __init__(self, mods, source, cols, dtype):
+        self.mods, self.source, self.cols = mods, source, cols
+        self.in_f = mods[0].in_features
+        width = source.packed.shape[1]
+        dev = source.packed.device
+        self.a = torch.zeros(width - self.in_f, self.in_f, dtype=dtype, device=dev)
+        self.outs = [m.out_features for m in mods]
+        self.bias = None
+        if any(m.bias is not None for m in mods):
+            self.bias = torch.zeros(sum(self.outs), dtype=dtype, device=dev)
+        self.refresh()
+
+    @staticmethod
+    def make(mods, weights, dtype):
+        from ..engine.weights import WeightSource, _lora_rank
+
+        if weights is None or any(m.quantized is not None for m in mods):
+            return None
+        source = weights.source(mods, dtype, pack=True)
+        if type(source) is not WeightSource or source.packed is None:  # (no NF4 / FP8 scratch)
+            return None
+        (rows, width), ranks = weights.layout(mods)
+        if (tuple(source.packed.shape) != (rows, width)
+                or list(ranks) != [_lora_rank(m) for m in mods]):
+            return None  # LoRA columns off (pack_lora): the LoRA term is not in the GEMM
+        cols, c = [], 0
+        for r in ranks:
+            cols.append(slice(c, c + r) if r else None)
+            c += r
+        return _Packed(mods, source, cols, dtype)
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        for m, c in zip(self.mods, self.cols):
+            if c is not None:
+                self.a[c].copy_(m.lora_A.weight)
+        if any(c is not None for c in self.cols):
+            self.source.write_lora_columns(self.in_f, self.cols)
+        if self.bias is not None:
+            row = 0
+            for m, o in zip(self.mods, self.outs):
+                if m.bias is not None:
+                    self.bias[row:row + o].copy_(m.bias)
+                row += o
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_f)
+        X = torch.cat([x2, x2 @ self.a.t()], 1) if self.a.shape[0] else x2
+        y = self.source.mm_packed(X)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    def split(self, y: torch.Tensor) -> list[torch.Tensor]:
+        out, c = [], 0
+        for o in self.outs:
+            out.append(y[..., c:c + o])
+            c += o
+        return out
+
+
+class DecodeProjections:
+    """The forwards one decode installs on `model`'s projection modules (module docstring)."""
+
+    def __init__(self, model, mode: str = "packed"):
+        if mode not in MODES:
+            raise ValueError(f"projections must be one of {', '.join(MODES)}, got {mode!r}")
+        self.mode = mode
+        self.forwards: list[tuple[torch.nn.Module, object]] = []  # (module, its forward)
+        self.parts: list = []  # what refresh() refreshes
+        self.packed_groups = 0
+        if mode == "plain":
+            return
+        from ..engine.weights import layer_groups
+
+        dtype = model.model.embed_tokens.weight.dtype
+        for layer in model.layers:
+            if (not hasattr(layer.mlp, "gate_proj")
+                    or getattr(layer, "_compiled_call_impl", None) is not None):
+                continue  # MoE layers, layers under torch.compile (--compile): the plain path
+            weights = getattr(layer.executor, "weights", None) if mode == "packed" else None
+            qkv, o, gu, down = layer_groups(layer)
+            done = set()
+            g = _Packed.make(qkv, weights, dtype)
+            if g is not None:
+                self._attention(qkv, g)
+                done.update(qkv)
+            g = _Packed.make(gu, weights, dtype)
+            d = _Packed.make(down, weights, dtype)
+            if g is not None and d is not None and layer.mlp.act is not None:
+                self._mlp(layer.mlp, g, d)
+                done.update(gu + down)
+            for m in qkv + o + gu + down:
+                if m not in done and m.has_lora and m.quantized is None:
+                    p = _Precast(m, dtype)
+                    self.parts.append(p)
+                    self.forwards.append((m, p))
+
+    def _attention(self, mods, group: _Packed) -> None:
+        """q_proj runs the whole q/k/v GEMM; k_proj and v_proj, called next with the same input
+        (Attention.forward), return its other columns (else they compute their own)."""
+        self.parts.append(group)
+        self.packed_groups += 1
+        held = {}
+
+        def first(x):
+            held["x"], held["parts"] = x, group.split(group(x))
+            return held["parts"][0]
+
+        def member(i):
+            def fwd(x):
+                if held.get("x") is x:
+                    y = held["parts"][i]
+                    if i == len(mods) - 1:
+                        held.clear()
+                    return y
+                return type(mods[i]).forward(mods[i], x)
+            return fwd
+
+        self.forwards.append((mods[0], first))
+        self.forwards += [(m, member(i)) for i, m in enumerate(mods) if i]
+
+    def _mlp(self, mlp, gu: _Packed, down: _Packed) -> None:
+        """down(act(gate) * up) with gate/up from one GEMM, the GLU reading its halves in place."""
+        from ..kernels.swiglu import glu_fwd
+
+        self.parts += [gu, down]
+        self.packed_groups += 2
+        inter = gu.outs[0]
+
+        def fwd(x):
+            y = gu(x)
+            y2 = y.reshape(-1, y.shape[-1])
+            h = glu_fwd(y2[:, :inter], y2[:, inter:], mlp.act)
+            return down(h).view(*x.shape[:-1], -1)
+
+        self.forwards.append((mlp, fwd))
+
+    def refresh(self) -> None:
+        """The live adapter into the buffers (every decode call, before the prefill)."""
+        with torch.no_grad():
+            for p in self.parts:
+                p.refresh()
+
+    @contextlib.contextmanager
+    def installed(self):
+        for m, f in self.forwards:
+            m.forward = f
+        try:
+            yield self
+        finally:
+            for m, _ in self.forwards:
+                m.__dict__.pop("forward", None)

@@ -72,7 +72,7 @@ def run(args, device) -> dict:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="llama-3.2-1b")
     ap.add_argument("--budget", type=float, default=4.4, help="--max-memory-gib")
     for flag, default in (("prompts", 2), ("generations", 8), ("prompt", 256),

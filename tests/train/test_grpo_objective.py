@@ -128,12 +128,21 @@ def test_resume_reproduces_rewards_and_losses(setup, tmp_path, iterations):
 
 
 def test_flat_groups_train_nothing_and_do_not_stop_the_run(setup, tmp_path):
-    r = _run(_grpo_cfg(setup, tmp_path / "flat", reward=[f"{setup[4]}:constant"], max_steps=7))
+    from leantune.train.trainer import Trainer
+
+    lines = []
+    cfg = _grpo_cfg(setup, tmp_path / "flat", reward=[f"{setup[4]}:constant"], max_steps=7)
+    r = Trainer(cfg, log=lines.append).train()
     rows = read_metrics(tmp_path / "flat")
     assert r.steps == 7 and len(rows) == 7
     for row in rows:
         assert row["loss"] == 0 and row["grad_norm"] == 0 and row["zero_std_groups"] == 2
         assert row["reward"] == 1.0 and row["reward_std"] == 0
+    # said once, in one line, with what to do
+    notes = [ln for ln in map(str, lines) if "got the same reward" in ln]
+    assert len(notes) == 1 and "\n" not in notes[0], notes
+    assert notes[0].startswith("note: step 1: within every group the completions got the same "
+                               "reward (1), so this step trains nothing")
 
 
 def test_cli_with_reward_file(setup, tmp_path, capsys):

@@ -312,7 +312,21 @@ class GRPOObjective(Objective):
         self._extra_logps(model, window, device)
         self._rollout_metrics(table, total, comp_ids, truncated, adv, gen_s)
         self._log_completions(runner, gen_step, prompts, completions, table, total)
+        self._note_flat_rewards(step_no, total, adv, len(total) // G)
         return window
+
+    def _note_flat_rewards(self, step: int, total: torch.Tensor, adv, groups: int) -> None:
+        """One line, once a run, the first time every group's rewards are equal: such a step
+        trains nothing (no advantage), which the loss of 0 alone does not explain."""
+        if adv.zero_std_groups < groups or getattr(self, "_flat_noted", False):
+            return
+        self._flat_noted = True
+        values = sorted({round(float(v), 4) for v in total if not math.isnan(float(v))})
+        shown = ", ".join(f"{v:g}" for v in values[:3]) + (", ..." if len(values) > 3 else "")
+        self.log(f"note: step {step}: within every group the completions got the same reward "
+                 f"({shown or 'none scored'}), so this step trains nothing; the rewards must "
+                 "tell a prompt's completions apart (--log-completions-every 1 writes them to "
+                 "samples.jsonl), or a higher --temperature / more --num-generations vary them")
 
     def _extra_logps(self, model, window, device) -> None:
         """Old log-probs (num_iterations > 1) and reference log-probs (beta > 0), no graph."""

@@ -298,7 +298,7 @@ def cmd_generate(args) -> int:
     rows = (read_prompt_file(args.prompts) if args.prompts
             else [({"prompt": args.prompt}, args.prompt, "--prompt")])
     src = locate(args.model, args.adapter, args.device, args.dtype, log=_note,
-                 force_base=args.force_base)
+                 force_base=args.force_base, precision=args.precision)
     tokenizer = src.tokenizer
     if not args.prompts:
         asked = ({True: "chat", False: "text"}[args.chat_template]
@@ -331,7 +331,7 @@ def cmd_chat(args) -> int:
 
     kw = _sampling_kw(args)
     src = locate(args.model, args.adapter, args.device, args.dtype, log=_note,
-                 force_base=args.force_base)
+                 force_base=args.force_base, precision=args.precision)
     fmt = src.prompt_format(args.prompt_format, log=_note, untrained="chat")
     typed_prompt("", fmt, args.system)  # --system without a chat template: before the weights
     chat(src.load(), src.tokenizer, system=args.system, cuda_graphs=args.cuda_graphs, log=_note,
@@ -383,6 +383,9 @@ def _generation_flags(p, stop: bool = True) -> None:
            "(its run_config.json), else the chat template when the tokenizer has one")
     a("--device", help="cuda, cuda:1, cpu (default: cuda if available)")
     a("--dtype", choices=["bfloat16", "float16", "float32"], help="default: by device")
+    a("--precision", choices=["bf16", "fp8"], default="bf16",
+      help="fp8: the base's projections in e4m3 (quantised as they load; half the weight "
+           "bytes a token reads), on GPUs with FP8 units (sm_89+)")
     a("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
       help="run each decode step eagerly (CUDA graphs replay it by default on CUDA)")
 

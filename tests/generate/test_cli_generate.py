@@ -122,6 +122,32 @@ def test_generate_errors(capsys, tmp_path, tiny_ckpt, adapter):  # noqa: F811
                                         *GEN))
 
 
+def test_generate_precision_fp8(capsys, monkeypatch, tiny_ckpt, adapter):  # noqa: F811
+    """--precision fp8: refused in one line where FP8 cannot run; emulated, the base loads in
+    e4m3 and generates what the Python API's FP8 model does."""
+    from transformers import AutoTokenizer
+
+    from leantune.generate.load import locate
+
+    monkeypatch.delenv("LEANTUNE_FP8_EMULATE", raising=False)
+    assert cli_error(capsys, "generate", "--model", tiny_ckpt, "--prompt", "hi",
+                     "--precision", "fp8", *GEN).startswith(
+        "--precision fp8: cpu: no FP8 matrix units; FP8 runs on CUDA GPUs")
+    monkeypatch.setenv("LEANTUNE_FP8_EMULATE", "1")
+    kinds = {getattr(getattr(m, "base", None), "kind", None) for m in
+             locate(str(tiny_ckpt), str(adapter), "cpu", precision="fp8",
+                    log=lambda *a: None).load().modules()}
+    assert "fp8" in kinds
+    model = leantune.load_model(tiny_ckpt, device="cpu", precision="fp8")
+    leantune.load_adapter(model, adapter)
+    want = leantune.generate(model, AutoTokenizer.from_pretrained(tiny_ckpt), "hello world",
+                             max_new_tokens=10)[0].text
+    rc, out, err = run_cli(capsys, "generate", "--model", tiny_ckpt, "--adapter", adapter,
+                           "--prompt", "hello world", "--no-chat-template", "--precision", "fp8",
+                           *GEN)
+    assert rc == 0 and out == want + "\n", err
+
+
 def test_messages_need_a_chat_template(capsys, tmp_path, tiny_ckpt):  # noqa: F811
     import shutil
 

@@ -58,6 +58,7 @@ class Located:
     dtype: torch.dtype
     tokenizer: object
     trained_format: str | None = None  # "chat" | "alpaca" | "text": the run's, when it says
+    precision: str = "bf16"  # "fp8": the projections quantised to e4m3 as they load
 
     def prompt_format(self, requested: str | None = None, log=print,
                       untrained: str | None = None) -> str:
@@ -77,18 +78,21 @@ class Located:
         from ..lora.peft_io import attach_adapter
         from ..model.loader import load_model
 
-        model = load_model(self.folder, dtype=self.dtype, device=self.device)
+        model = load_model(self.folder, dtype=self.dtype, device=self.device,
+                           precision=self.precision)
         if self.lora is not None:
             attach_adapter(model, *self.lora)
         return model.eval()
 
 
 def locate(model: str | None, adapter: str | None, device: str | None = None,
-           dtype: str | None = None, log=print, force_base: bool = False) -> Located:
+           dtype: str | None = None, log=print, force_base: bool = False,
+           precision: str = "bf16") -> Located:
     """Check --model (default: the base named by --adapter), --adapter (that it fits the base's
     shapes, and that the base is the one it was trained on: lora/base_check.py, a warning only
     with `force_base`), --device and --dtype ("bfloat16" | "float16" | "float32"; default by
-    device) and load the tokenizer."""
+    device), --precision (fp8: where the device has FP8 matrix units, on a 16-bit
+    checkpoint) and load the tokenizer."""
     from ..export.merge import MergedWeights, adapter_source
     from ..lora.base_check import check_base
     from ..model.loader import DTYPES, default_dtype, resolve_checkpoint
@@ -106,7 +110,9 @@ def locate(model: str | None, adapter: str | None, device: str | None = None,
         log(f"model: {model} (the base named by the adapter)")
     dev = resolve_device(device)
     folder = resolve_checkpoint(model)
-    check_weights(folder)
+    from ..lora.base_weight import check_precision
+
+    check_precision(precision, dev, prequantized=check_weights(folder))
     lora = None
     if adapter_dir is not None:
         MergedWeights(folder, adapter_dir, log)  # checks the adapter fits this base (headers)
@@ -116,4 +122,5 @@ def locate(model: str | None, adapter: str | None, device: str | None = None,
     has_own = any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
     tokenizer = load_tokenizer(str(folder if has_own or adapter_dir is None else adapter_dir))
     return Located(folder, lora, dev, DTYPES[dtype] if dtype else default_dtype(dev), tokenizer,
-                   trained_prompt_format(adapter_dir if adapter_dir is not None else folder))
+                   trained_prompt_format(adapter_dir if adapter_dir is not None else folder),
+                   precision)

@@ -203,7 +203,7 @@ def bench_leantune(args, device) -> dict:
         remade = {k: COUNTS[k] - counts[k] for k in COUNTS}
         peak, metrics = peak_gib(device), obj.rollout_metrics
         ntok = obj.tokens(last)
-        lora_b = max(float(p.abs().max()) for n, p in model.named_parameters() if "lora_B" in n)
+        lora_b = max(float(p.detach().abs().max()) for n, p in model.named_parameters() if "lora_B" in n)
         model._bench_projections = args.projections
         checks = drift(model, prompts.items[0].ids, device)
         modes = generation_by_mode(args, device, obj, model, prompts) if args.modes else {}

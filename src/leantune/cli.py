@@ -232,7 +232,10 @@ def cmd_train(args) -> int:
     if result.first_eval_loss is not None and result.final_eval_loss is not None:
         print(f"eval loss: {result.first_eval_loss:.4f} -> {result.final_eval_loss:.4f}")
     what = "full model" if cfg.full else "LoRA adapter (PEFT format)"
-    print(f"done: {result.steps} steps, {result.tokens_per_s:,.0f} tokens/s; {what} in {out}/, "
+    from .utils.words import count
+
+    print(f"done: {count(result.steps, 'step')}, {result.tokens_per_s:,.0f} tokens/s; {what} in "
+          f"{out}/, "
           f"metrics in {out / 'metrics.jsonl'}")
     if not cfg.full:
         from .export.serving import vllm_lora_lines

@@ -154,3 +154,31 @@ def test_compiled_layers_keep_the_plain_path():
     mods = {id(m) for m, _ in proj.forwards}
     assert not mods & {id(m) for m in layer0.modules()}
     assert proj.packed_groups == 3 * (len(model.layers) - 1)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3"])
+def test_packed_steps_equal_plain_on_the_new_families_with_rslora(name, tmp_path):
+    """Gemma's (1 + w) norms, soft-caps and GeGLU, Gemma 3 multimodal's prefixed weights and
+    Phi-3's fused checkpoint tensors: packed decode projections still give the plain step
+    (rsLoRA scaling inside the packed LoRA columns); with LoRA dropout nothing is packed."""
+    import leantune
+    from leantune import LoRAConfig, apply_lora
+
+    from test_new_families_cli import _checkpoint  # (tests/ is on the path, as for helpers)
+
+    _checkpoint(name, tmp_path / name)
+    for dropout in (0.0, 0.1):
+        model = leantune.load_model(tmp_path / name, device="cpu", dtype=torch.float32)
+        apply_lora(model, LoRAConfig(r=4, alpha=8, use_rslora=True, dropout=dropout), seed=0)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.05)
+        engine = Engine()
+        engine.attach(model, [LayerPlan(2)] * len(model.layers))
+        engine.pack(model)
+        model.eval()
+        groups = DecodeProjections(model, "packed").packed_groups
+        assert groups == (3 * len(model.layers) if dropout == 0 else 0)
+        for a, b in zip(step_logits(model, "packed"), step_logits(model, "plain")):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

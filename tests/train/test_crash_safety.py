@@ -253,6 +253,27 @@ def test_stale_folders_of_an_older_export_are_recovered(tiny_ckpt, tmp_path):  #
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+def test_links_planted_at_the_export_stage_names_are_removed_not_followed(tiny_ckpt, tmp_path):  # noqa: F811
+    """The fixed names beside the output (`.out.leantune-tmp`, `.out.leantune-old`) holding
+    links to a user's folder: the export removes the links and writes nothing there."""
+    from leantune.export import export_merged
+    from leantune.export.merge import _stage_names
+
+    out = tmp_path / "out"
+    export_merged(tiny_ckpt, None, out, log=quiet)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("mine")
+    for stage in _stage_names(out):
+        stage.symlink_to(victim, target_is_directory=True)
+    export_merged(tiny_ckpt, None, out, overwrite=True, log=quiet)
+    assert sorted(p.name for p in victim.iterdir()) == ["keep.txt"]
+    assert (victim / "keep.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".out.")
+                  and "lock" not in p.name) == []
+    assert (out / "config.json").is_file() and not out.is_symlink()
+
+
 # --- early stops: the retry is not refused ------------------------------------------------------
 
 def test_a_retry_after_ctrl_c_before_the_first_step_needs_no_flag(tiny_ckpt, alpaca_file,  # noqa: F811

@@ -415,7 +415,10 @@ def recover_publish(out: Path) -> None:
     olds = [old, *sorted(out.parent.glob(f".{glob_escape(out.name)}.old-*"))]
     tmps = [tmp, *sorted(out.parent.glob(f".{glob_escape(out.name)}.tmp-*"))]
     for o in olds:
-        if not o.is_dir() or o.is_symlink():
+        if o.is_symlink():  # not a folder an export made: the link goes, never what it names
+            remove(o)
+            continue
+        if not o.is_dir():
             continue
         if not out.exists():
             replace(o, out)  # killed between the renames: the previous export comes back

@@ -90,6 +90,29 @@ def test_a_linked_metrics_log_is_refused(tiny_ckpt, alpaca_file, tmp_path, outsi
     untouched(outside)
 
 
+@pytest.mark.parametrize("name", ["metrics.jsonl", "samples.jsonl", "checkpoints",
+                                  "checkpoints/step-2", "tensorboard"])
+def test_a_link_the_run_would_write_into_is_refused_before_the_weights_load(  # noqa: F811
+        tiny_ckpt, alpaca_file, tmp_path, outside, monkeypatch, name):
+    import leantune.train.trainer as T
+
+    def no_load(*a, **kw):
+        raise AssertionError("the weights loaded before the link was refused")
+
+    monkeypatch.setattr(T, "load_model", no_load)
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    if name == "checkpoints":
+        (run / "checkpoints").rmdir()
+    plant(run / name, outside)
+    with pytest.raises(LeantuneError) as e:
+        T.Trainer(train_cfg(tiny_ckpt, alpaca_file, run, batch_size=4, max_steps=2),
+                  log=quiet)
+    assert one_line(e).startswith(f"{run / name}: the run folder's {Path(name).name} is a "
+                                  "symbolic link")
+    untouched(outside)
+
+
 def test_resume_with_a_linked_metrics_log_is_refused(tiny_ckpt, alpaca_file, tmp_path,  # noqa: F811
                                                      outside):
     """--resume rewrites metrics.jsonl (drops the steps it redoes): a link there is refused,

@@ -182,6 +182,8 @@ class RunFolder:
         `cfg`'s (checked here, before the weights load). A run stopped before its first
         checkpoint is no previous run: it is replaced (its files set aside until this run has a
         checkpoint)."""
+        if not overwrite:  # (--overwrite sets a previous run's entries aside, links as links)
+            self.refuse_linked_entries()
         previous = [m for m in RUN_MARKERS if (self.output / m).exists()]
         if previous and not (resume or overwrite):
             if self.unstarted():
@@ -200,6 +202,19 @@ class RunFolder:
             refuse_pickled(ckpt)
             if cfg is not None:
                 check_resume_settings(ckpt, cfg)
+
+    def refuse_linked_entries(self) -> None:
+        """One line, before the weights load, for a link at a name the run writes into in place
+        (the metrics and samples logs, the checkpoint and TensorBoard folders, a checkpoint's
+        step folder): the writers refuse it anyway, but only after the model has loaded."""
+        from ..utils.io import refuse_link_at
+
+        ckpts = self.output / CKPT_DIR
+        names = [self.output / n for n in ("metrics.jsonl", SAMPLES, CKPT_DIR, TENSORBOARD_DIR)]
+        if ckpts.is_dir() and not ckpts.is_symlink():
+            names += sorted(ckpts.iterdir())
+        for path in names:
+            refuse_link_at(path, "run folder's " + path.name)
 
     def unstarted(self) -> bool:
         """A run that left files but nothing to resume or use: no checkpoint, no final result."""

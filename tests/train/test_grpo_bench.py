@@ -4,21 +4,12 @@ GRPOTrainer loss over transformers + PEFT; the table comes last."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
+from helpers import run_bench_tiny
 
 
 def test_grpo_bench_tiny(tmp_path):
-    env = dict(os.environ, OUT=str(tmp_path), PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
-    res = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_grpo.py"), "--tiny"],
-                         capture_output=True, text=True, env=env, timeout=600)
+    res, rows = run_bench_tiny("gpu_grpo.py", tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
-    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     try:
         import trl  # noqa: F401
         want = ["leantune", "trl"]

@@ -109,11 +109,7 @@ class _Packed:
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def split(self, y: torch.Tensor) -> list[torch.Tensor]:
-        out, c = [], 0
-        for o in self.outs:
-            out.append(y[..., c:c + o])
-            c += o
-        return out
+        return list(y.split(self.outs, dim=-1))
 
 
 class DecodeProjections:

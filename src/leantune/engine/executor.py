@@ -428,6 +428,7 @@ class _LayerRun:
         X2, _ = self._normed(self.layer.norm("mlp_in"), h_mid, self.gu)
         xa_down = (h_mid.new_empty(N, self.down.R)
                    if keeps_state and self.down.has_lora_cols else None)
+        out_norm = self.layer.norm("mlp_out")  # (Gemma: the MLP's output normed)
         for rows in self._chunks(N, keep >= Keep.ALL, h_mid.element_size(), forward=True):
             gu = self.gu.project(X2[rows])  # [n, 2 I]: gate | up
             Hb = self.down.new_input(gu.shape[0], gu)
@@ -435,7 +436,6 @@ class _LayerRun:
             self.down.fill_lora(Hb)
             if xa_down is not None:
                 xa_down[rows] = self.down.lora_cols(Hb)
-            out_norm = self.layer.norm("mlp_out")
             if out_norm is None:
                 self.down.project(Hb, resid=h_mid[rows], out=out[rows])
             else:  # h_mid + mlp_out(down(...)) (Gemma)

@@ -13,7 +13,7 @@ from helpers import max_abs, one_torch_thread  # noqa: F401  (autouse)
 import leantune.engine.attention as backend_mod
 from leantune.engine.attention import AttentionBackend, FlashState, GraphState
 from leantune.engine.options import EngineOptions
-from leantune.model.attention import AttentionMeta, _sink_attention
+from leantune.model.attention import AttentionMeta, _scores_attention
 from leantune.model.sink_attention import math_backward, math_forward
 
 B, T, HQ, HK, D = 2, 11, 6, 2, 16
@@ -37,7 +37,7 @@ def _inputs(seed=0):
 
 def _reference(q, k, v, sinks, dout, window):
     leaves = [t.detach().requires_grad_() for t in (q, k, v, sinks)]
-    out = _sink_attention(*leaves[:3], _meta("mask").masks[window], leaves[3], SCALE)
+    out = _scores_attention(*leaves[:3], _meta("mask").masks[window], SCALE, leaves[3])
     return [out.detach(), *torch.autograd.grad(out, leaves, dout)]
 
 

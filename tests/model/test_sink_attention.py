@@ -1,5 +1,6 @@
 """Attention sinks over the kernel's log-sum-exp (model/sink_attention.py) against the mask path's
-sink attention (`_sink_attention`, the softmax with the sink as an extra column, under autograd):
+sink attention (`_scores_attention` with sinks: the softmax with the sink as an extra column,
+under autograd):
 outputs and the gradients of q, k, v and the sinks, on packed documents of odd lengths, GQA, with
 and without a window, sinks far in both directions; through `attention(...)` on the varlen and
 causal paths, and the tiny gpt-oss model forced onto the varlen path. On a CUDA GPU: the bf16
@@ -13,7 +14,7 @@ from helpers import max_abs, one_torch_thread, random_ids, save_checkpoint  # no
 
 import leantune
 from leantune.batch import PackedBatch, shift_labels
-from leantune.model.attention import AttentionMeta, _sink_attention, attention
+from leantune.model.attention import AttentionMeta, _scores_attention, attention
 from leantune.model.sink_attention import (
     add_sinks,
     math_backward,
@@ -52,7 +53,7 @@ def _out_and_grads(fn, q, k, v, s, dout):
 
 def _reference(q, k, v, s, dout, window, seq_lens=SEQ_LENS):
     mask = _meta("mask", q.device.type, seq_lens).masks[window]
-    return _out_and_grads(lambda *t: _sink_attention(*t[:3], mask, t[3], SCALE), q, k, v, s,
+    return _out_and_grads(lambda *t: _scores_attention(*t[:3], mask, SCALE, t[3]), q, k, v, s,
                           dout)
 
 

@@ -170,11 +170,6 @@ def _scores_attention(q, k, v, mask, scale, sinks=None, softcap=None):
     return torch.einsum("bhqk,bkhd->bqhd", probs.to(v.dtype), v)
 
 
-def _sink_attention(q, k, v, mask, sinks, scale):
-    """`_scores_attention` with sinks [Hq] (the tests' reference of the sink paths)."""
-    return _scores_attention(q, k, v, mask, scale, sinks)
-
-
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta,
               window: int | None, scale: float, sinks: torch.Tensor | None = None,
               softcap: float | None = None) -> torch.Tensor:

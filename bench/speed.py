@@ -42,7 +42,7 @@ def make_trainer(shape, batch, policy, steps, device, lora_targets="q,k,v,o,gate
     """A Trainer for `policy`: "recompute" | "offload" | "keep" | "auto@GiB" (memory-budgeted) |
     "offload:N[k0]" (hand plan), optionally "+compile", "+nofused" (autograd layers instead of
     the hand-written backward), "+noembed" (input embedding kept on the GPU), "+keepall:M"
-    (the last M layers keep everything, on top of the plan)."""
+    (the last M layers keep everything, on top of the plan), "+fp8" (--precision fp8)."""
     base = leantune_model(shape, device, dtype=_dtype(device))
     ckpt, *extras = policy.split("+")
     ckpt, _, budget = ckpt.partition("@")
@@ -55,7 +55,8 @@ def make_trainer(shape, batch, policy, steps, device, lora_targets="q,k,v,o,gate
                       activations=ckpt,
                       max_memory_gib=float(budget) if budget else None,
                       compile="compile" in extras, fused_layers="nofused" not in extras,
-                      offload_embedding="noembed" not in extras)
+                      offload_embedding="noembed" not in extras,
+                      precision="fp8" if "fp8" in extras else "bf16")
     docs = [(batch.input_ids[0].tolist(), batch.labels[0].tolist())]
     trainer = Trainer(cfg, model=base, train_data=docs, log=lambda *a: None)
     from leantune.engine import Engine, LayerPlan

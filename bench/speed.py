@@ -42,12 +42,14 @@ def make_trainer(shape, batch, policy, steps, device, lora_targets="q,k,v,o,gate
     """A Trainer for `policy`: "recompute" | "offload" | "keep" | "auto@GiB" (memory-budgeted) |
     "offload:N[k0]" (hand plan), optionally "+compile", "+nofused" (autograd layers instead of
     the hand-written backward), "+noembed" (input embedding kept on the GPU), "+keepall:M"
-    (the last M layers keep everything, on top of the plan), "+fp8" (--precision fp8)."""
+    (the last M layers keep everything, on top of the plan), "+offall:M" (the last M offloaded
+    layers of the plan keep everything, still offloaded), "+fp8" (--precision fp8)."""
     base = leantune_model(shape, device, dtype=_dtype(device))
     ckpt, *extras = policy.split("+")
     ckpt, _, budget = ckpt.partition("@")
     ckpt, _, n_off = ckpt.partition(":")  # "offload:N[k0]": the first N layers offloaded
     keep_all = [int(e.partition(":")[2] or 1) for e in extras if e.startswith("keepall")]
+    off_all = [int(e.partition(":")[2] or 1) for e in extras if e.startswith("offall")]
     cfg = TrainConfig(output=tempfile.mkdtemp(), max_seq_len=batch.input_ids.shape[1],
                       batch_size=batch.input_ids.shape[0], lr=1e-4, warmup_steps=0,
                       max_steps=steps, progress=False, eval_every=0, lora_r=16, lora_alpha=16,
@@ -72,7 +74,11 @@ def make_trainer(shape, batch, policy, steps, device, lora_targets="q,k,v,o,gate
         plans = [LayerPlan(1, offload=True)] * n + [rest] * (L - n - 1) + [LayerPlan(1)]
     if keep_all:
         plans = plans[:L - keep_all[0]] + [LayerPlan(2)] * keep_all[0]
-    if n_off or keep_all:
+    if off_all:
+        offloaded = [i for i, p in enumerate(plans) if p.offload]
+        for i in offloaded[len(offloaded) - off_all[0]:]:
+            plans[i] = LayerPlan(2, offload=True)
+    if n_off or keep_all or off_all:
         trainer.engine.attach(trainer.model, plans)
     return trainer
 

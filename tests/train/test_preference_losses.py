@@ -369,3 +369,19 @@ def test_orpo_end_to_end_lora_grads_match_trl(lora_llama):
     _close(ours, theirs, tol=1e-5)
     for a, b in zip(_lora_grads(model, ours), _lora_grads(model, theirs)):
         _close(a, b, tol=1e-5)
+
+
+def test_default_betas_are_trls_and_agree_with_validate():
+    """One default beta per preference objective (TRL 1.16's 0.1), the same whether the loss
+    function's default or TrainConfig.validate() resolves it."""
+    import inspect
+
+    from leantune.train.config import TrainConfig
+    from leantune.train.losses import preference as L
+
+    assert L.DEFAULT_BETAS == {"dpo": 0.1, "orpo": 0.1, "simpo": 0.1, "kto": 0.1}
+    assert inspect.signature(L.simpo_loss).parameters["beta"].default == L.DEFAULT_BETAS["simpo"]
+    for name, beta in L.DEFAULT_BETAS.items():
+        cfg = TrainConfig(objective=name)
+        cfg.validate()
+        assert cfg.objective.beta == beta

@@ -60,7 +60,6 @@ class EngineSettings:
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")  # --loss-type of the DPO family
 GRPO_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "gspo")  # --loss-type of GRPO
-PREFERENCE_DEFAULTS = {"beta": 0.1}  # (beta None: 0.1 for the preference objectives, 0 for GRPO)
 
 
 @dataclass
@@ -325,8 +324,9 @@ class TrainConfig:
         if o.name == "grpo":
             self._validate_grpo()
             return
-        if o.beta is None and o.name != "sft":  # the preference objectives' default
-            o.beta = PREFERENCE_DEFAULTS["beta"]
+        if o.beta is None and o.name != "sft":  # the preference objective's default (TRL's)
+            from .losses.preference import DEFAULT_BETAS
+            o.beta = DEFAULT_BETAS[o.name]
         if o.name != "sft":
             for name in ("train_on_inputs", "format"):
                 if getattr(self, name) not in (None, False):

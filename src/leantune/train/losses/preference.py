@@ -41,12 +41,14 @@ from leantune.errors import LeantuneError
 
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 
-# Defaults, as in TRL 1.16's configs, except SimPO's beta (see simpo_loss).
+# Defaults, as in TRL 1.16's configs (the one place they live: the objectives and
+# TrainConfig.validate read them).
 DPO_BETA = 0.1
 ORPO_BETA = 0.1
-SIMPO_BETA = 2.0
+SIMPO_BETA = 0.1
 SIMPO_GAMMA = 0.5
 KTO_BETA = 0.1
+DEFAULT_BETAS = {"dpo": DPO_BETA, "orpo": ORPO_BETA, "simpo": SIMPO_BETA, "kto": KTO_BETA}
 
 _LOG_HALF = -math.log(2.0)
 
@@ -245,8 +247,9 @@ def simpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor,
 
     TRL runs this as CPOTrainer(loss_type="simpo"), whose config defaults are beta 0.1, gamma
     (simpo_gamma) 0.5 and an NLL weight (cpo_alpha) of 1.0, i.e. CPO-SimPO. The defaults here
-    are the SimPO paper's: beta 2.0 (its range is 2.0-2.5; at 0.1 the reward differences of
-    averaged log-probs barely move the sigmoid), gamma 0.5, and no NLL term.
+    are TRL's beta 0.1 and gamma 0.5, without the NLL term (the SimPO paper's); the paper
+    tunes beta in 2.0-2.5, where averaged log-probs' differences move the sigmoid more
+    (`--beta 2`).
 
     Returns:
         PreferenceLoss: losses [P], the NLL term when nll_weight > 0, and metrics rewards_*

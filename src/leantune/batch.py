@@ -34,6 +34,10 @@ class PackedBatch:
             CPU attention path so it never reads device memory.
         num_target_tokens: number of labels != IGNORE_INDEX (Python int).
         num_real_tokens: tokens that belong to documents, padding excluded (Python int).
+        target_rows: [num_target_tokens] int64 flat indices (over B*T) of the labels !=
+            IGNORE_INDEX, found on the host once per batch (None for a batch built on the
+            device): the LM head runs on these rows only (model/transformer.py), so prompt
+            tokens and padding cost no [rows, vocab] GEMM.
     """
 
     input_ids: torch.Tensor
@@ -44,8 +48,11 @@ class PackedBatch:
     seq_lens: list[int] = field(default_factory=list)
     num_target_tokens: int = 0
     num_real_tokens: int = 0
+    target_rows: torch.Tensor | None = None
 
     def __post_init__(self):
+        if self.target_rows is None and self.labels is not None and self.labels.device.type == "cpu":
+            self.target_rows = (self.labels.reshape(-1) != IGNORE_INDEX).nonzero()[:, 0]
         # A hand-built batch may omit the host copies: derive them once here (outside the model).
         if not self.seq_lens and self.cu_seqlens is not None and self.cu_seqlens.numel() > 1:
             self.seq_lens = torch.diff(self.cu_seqlens.cpu()).tolist()

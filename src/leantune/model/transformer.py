@@ -12,6 +12,8 @@ model.layers.N...., lm_head), so checkpoints load and export by name.
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +67,8 @@ class CausalLM(nn.Module):
         # bytes of logits the fused cross-entropy computes at a time (None: its default); the
         # trainer lowers it where memory is short
         self.loss_chunk_bytes: int | None = None
+        # the head on the target rows only (_head_rows); off: on every token
+        self.head_target_rows = os.environ.get("LEANTUNE_HEAD_TARGET_ROWS", "1") != "0"
         self._router_aux_loss = False
         self._rope_cache: dict = {}
 
@@ -191,23 +195,40 @@ class CausalLM(nn.Module):
         if loss_only:
             if batch is None:
                 raise ValueError("loss_only needs a PackedBatch (its labels are pre-shifted)")
+            h2, labels2, _ = self._head_rows(h, batch)
             return CausalLMOutput(loss_sum=kernels.fused_linear_cross_entropy(
-                h.flatten(0, 1), self.output_weight(), batch.labels.flatten(),
+                h2, self.output_weight(), labels2,
                 softcap=self.config.final_softcap, chunk_bytes=self.loss_chunk_bytes),
                 aux_loss=aux)
         if token_logps:
             if batch is None:
                 raise ValueError("token_logps needs a PackedBatch (its labels are pre-shifted)")
-            return CausalLMOutput(token_logps=kernels.token_logprobs(
-                h.flatten(0, 1), self.output_weight(), batch.labels.flatten(),
-                softcap=self.config.final_softcap, chunk_bytes=self.loss_chunk_bytes),
-                aux_loss=aux)
+            h2, labels2, rows = self._head_rows(h, batch)
+            logp = kernels.token_logprobs(h2, self.output_weight(), labels2,
+                                          softcap=self.config.final_softcap,
+                                          chunk_bytes=self.loss_chunk_bytes)
+            if rows is not None:  # back onto every token, 0 off the targets
+                logp = logp.new_zeros(h.shape[0] * h.shape[1]).index_put((rows,), logp)
+            return CausalLMOutput(token_logps=logp, aux_loss=aux)
         logits = self.logits(h)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
                                    ignore_index=IGNORE_INDEX)
         return CausalLMOutput(logits=logits, loss=loss, aux_loss=aux)
+
+    def _head_rows(self, h: torch.Tensor, batch: PackedBatch):
+        """(hidden [R, H], labels [R], rows [R] or None) the head runs on: the batch's target
+        rows where it knows them (PackedBatch.target_rows) and they are some but not all B*T
+        tokens, else every token (rows None). Each row's loss / log-prob is its own, so the
+        sums are the same; `head_target_rows` (LEANTUNE_HEAD_TARGET_ROWS=0) switches it off."""
+        flat, labels = h.flatten(0, 1), batch.labels.flatten()
+        rows = batch.target_rows
+        if (not self.head_target_rows or rows is None
+                or rows.numel() in (0, labels.numel())):
+            return flat, labels, None
+        rows = rows.to(h.device, non_blocking=True)
+        return flat.index_select(0, rows), labels.index_select(0, rows), rows
 
     def _hidden_states_and_aux(self, input_ids, position_ids, batch):
         """hidden_states, and the load-balancing loss when `router_aux_loss` is on (else None).

@@ -326,39 +326,3 @@ def test_fp8_base_offloads_fewer_layers():
     fp8 = plan_layers(fp8_w, 4 * GIB, 2.5 * GIB, host_bytes=512 * GIB)
     assert sum(p.offload for p in fp8) == offload_capacity(fp8_w) < sum(
         p.offload for p in plans[0])
-
-
-def test_offload_whole_upgrades_offloaded_layers_only_within_link_time_and_budget():
-    """Where the host link has time to spare in the forward, offloaded layers keep everything
-    (no gate/up recompute), from the last offloaded one down; never past the link's bytes or
-    the budget; offload_whole=False gives the plan without it."""
-    from leantune.engine.planner import FusedExecutor
-
-    cfg = ModelConfig.from_dict(dict(CFG, hidden_size=2048, intermediate_size=8192,
-                                     num_hidden_layers=16, num_attention_heads=32,
-                                     num_key_value_heads=8, head_dim=64))
-    on = Workload(cfg, 8192)
-    off = Workload(cfg, 8192, options=EngineOptions(offload_whole=False))
-    upgraded = 0
-    for budget in (4, 5, 6, 8):
-        a = plan_layers(on, budget * GIB, 2.5 * GIB, host_bytes=512 * GIB)
-        b = plan_layers(off, budget * GIB, 2.5 * GIB, host_bytes=512 * GIB)
-        assert [p.offload for p in a] == [p.offload for p in b]
-        changed = [i for i, (p, q) in enumerate(zip(a, b)) if p != q]
-        for i in changed:  # only offloaded attention-state layers, now keeping everything
-            assert b[i] == LayerPlan(Keep.ATTENTION, offload=True)
-            assert a[i] == LayerPlan(Keep.ALL, offload=True)
-        upgraded += len(changed)
-        if changed:  # the last offloaded layers, contiguous
-            last = max(i for i, p in enumerate(a) if p.offload)
-            assert changed == list(range(last - len(changed) + 1, last + 1))
-        fwd_s = 16 * FusedExecutor.forward_flops(cfg, 8192) / on.forward_flops_per_s
-        assert sum(kept_bytes(on, p.keep) for p in a if p.offload) <= max(
-            fwd_s * on.options.link_bytes_per_s,
-            sum(kept_bytes(on, p.keep) for p in b if p.offload))
-        assert plan_peak_bytes(on, a) <= (budget - 2.5) * GIB
-    assert upgraded  # (at 8 GiB: 2 layers)
-    # a fast forward (no spare link time): nothing changes
-    fast = Workload(cfg, 8192, options=EngineOptions(link_gbs=5))
-    assert all(p.keep != Keep.ALL or not p.offload
-               for p in plan_layers(fast, 8 * GIB, 2.5 * GIB, host_bytes=512 * GIB))

@@ -30,8 +30,6 @@ class EngineOptions:
     mlp_chunk_mib: the fused MLP runs in row chunks whose [rows, intermediate] tensors stay under
         this size in backward, and mlp_forward_chunk_factor times that in forward.
     link_gbs: the host link rate (GB/s, each way) the planner assumes for offloading.
-    offload_whole: offloaded layers keep everything (gate/up too) where the host link has time
-        to spare in the forward (engine/planner.py _offload_whole).
     fp8_fwd_tflops: the forward's matmul rate (TFLOP/s) the planner assumes for an FP8 base
         (--precision fp8), against which offloaded copies must hide (engine/planner.py)."""
 
@@ -45,7 +43,6 @@ class EngineOptions:
     mlp_forward_chunk_factor: float = 2.0
     link_gbs: float = 50.0
     fp8_fwd_tflops: float = 1100.0
-    offload_whole: bool = True
 
     def __post_init__(self):
         if self.kernels not in KERNELS:

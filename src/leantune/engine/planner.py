@@ -353,29 +353,6 @@ def plan_layers(w: Workload, budget_bytes: float, fixed_bytes: float,
         if not fits(trial):
             break
         plans = trial
-    if w.options.offload_whole and not w.autograd:
-        plans = _offload_whole(w, plans, fits)
-    return plans
-
-
-def _offload_whole(w: Workload, plans: list[LayerPlan], fits) -> list[LayerPlan]:
-    """Offloaded layers that keep their attention state keep everything instead (their gate/up
-    too, so backward recomputes nothing), from the last offloaded layer down, while the host
-    link still carries the extra bytes within the forward (offload_capacity's rate) and the
-    peak fits: the spare link time a model with a long forward per byte kept leaves."""
-    L = w.cfg.num_hidden_layers
-    forward_s = L * FusedExecutor.forward_flops(w.cfg, w.tokens) / w.forward_flops_per_s
-    spare = forward_s * w.options.link_bytes_per_s - sum(
-        kept_bytes(w, p.keep) for p in plans if p.offload)
-    extra = kept_bytes(w, Keep.ALL) - kept_bytes(w, Keep.ATTENTION)
-    for i in reversed(range(L)):
-        p = plans[i]
-        if not (p.offload and p.keep == Keep.ATTENTION):
-            continue
-        trial = plans[:i] + [LayerPlan(Keep.ALL, offload=True)] + plans[i + 1:]
-        if spare < extra or not fits(trial):
-            break
-        plans, spare = trial, spare - extra
     return plans
 
 

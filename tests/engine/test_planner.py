@@ -306,23 +306,3 @@ def test_no_plan_fits_says_the_least_budget_that_would():
     msg = budget_message(TrainConfig(max_memory_gib=15.5), 15.5 * GIB, e.value)
     assert msg.startswith("--max-memory-gib 15.5 is too little for this run: it needs at least "
                           f"{least / GIB:.2f} GiB") and "raise --max-memory-gib" in msg
-
-
-def test_fp8_base_offloads_fewer_layers():
-    """An FP8 base's faster forward hides fewer layers' copies (Workload.fp8), and
-    fp8_fwd_tflops at the bf16 rate gives back the bf16 plan (the switch)."""
-    cfg = ModelConfig.from_dict(dict(CFG, hidden_size=2048, intermediate_size=8192,
-                                     num_hidden_layers=16, num_attention_heads=32,
-                                     num_key_value_heads=8, head_dim=64))
-    slow_link = EngineOptions(link_gbs=50 / 4)
-    bf16_w = Workload(cfg, 8192, options=slow_link)
-    fp8_w = Workload(cfg, 8192, options=slow_link, fp8=True)
-    assert fp8_w.forward_flops_per_s > bf16_w.forward_flops_per_s
-    assert offload_capacity(fp8_w) < offload_capacity(bf16_w)
-    same = Workload(cfg, 8192, fp8=True, options=EngineOptions(
-        link_gbs=50 / 4, fp8_fwd_tflops=bf16_w.forward_flops_per_s / 1e12))
-    plans = [plan_layers(w, 4 * GIB, 2.5 * GIB, host_bytes=512 * GIB) for w in (bf16_w, same)]
-    assert plans[0] == plans[1]
-    fp8 = plan_layers(fp8_w, 4 * GIB, 2.5 * GIB, host_bytes=512 * GIB)
-    assert sum(p.offload for p in fp8) == offload_capacity(fp8_w) < sum(
-        p.offload for p in plans[0])

@@ -29,9 +29,7 @@ class EngineOptions:
     pack_align: the packed width is padded to a multiple of this many columns.
     mlp_chunk_mib: the fused MLP runs in row chunks whose [rows, intermediate] tensors stay under
         this size in backward, and mlp_forward_chunk_factor times that in forward.
-    link_gbs: the host link rate (GB/s, each way) the planner assumes for offloading.
-    fp8_fwd_tflops: the forward's matmul rate (TFLOP/s) the planner assumes for an FP8 base
-        (--precision fp8), against which offloaded copies must hide (engine/planner.py)."""
+    link_gbs: the host link rate (GB/s, each way) the planner assumes for offloading."""
 
     kernels: str = "auto"
     fused_layers: bool = True
@@ -42,7 +40,6 @@ class EngineOptions:
     mlp_chunk_mib: float = 256.0
     mlp_forward_chunk_factor: float = 2.0
     link_gbs: float = 50.0
-    fp8_fwd_tflops: float = 1100.0
 
     def __post_init__(self):
         if self.kernels not in KERNELS:
@@ -53,8 +50,7 @@ class EngineOptions:
                                 f"{self.attention!r}")
         if self.pack_align < 1:
             raise LeantuneError(f"pack_align must be 1 or more, got {self.pack_align}")
-        for name in ("mlp_chunk_mib", "mlp_forward_chunk_factor", "link_gbs",
-                     "fp8_fwd_tflops"):
+        for name in ("mlp_chunk_mib", "mlp_forward_chunk_factor", "link_gbs"):
             value = getattr(self, name)
             if not value > 0:  # (also refuses NaN)
                 raise LeantuneError(f"--{name.replace('_', '-')} must be positive, got {value}")

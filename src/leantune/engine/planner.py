@@ -58,10 +58,6 @@ HEADROOM_HIDDEN = 4
 # (Llama-3.1-8B offloads all 31 layers without waiting; Llama-3.2-1B ran slower offloading every
 # layer's attention state than recomputing).
 FWD_FLOPS_PER_S = 650e12
-# An FP8 base (--precision fp8) runs the forward's projections at EngineOptions.fp8_fwd_tflops
-# (default 1,100: cuBLAS blockwise FP8 on the 8B projections, H200): its copies have less time
-# to hide behind, and at the bf16 rate 28 offloaded layers left the 8B FP8 step idle 77 ms of
-# 500 (bench/profile_step.py --policies auto@12+fp8).
 
 # The autograd path (no fused layers: LoRA dropout, full fine-tuning, --no-fused-layers,
 # --compile) keeps what autograd saves: ~ACT_FACTOR * (8 hidden + 3 intermediate + 3 kv) values
@@ -105,12 +101,6 @@ class Workload:
     # (rows = batch_size x G, KV slots = longest prompt + max completion, prompt tokens of the
     # prefill); None: no generation inside the step
     generation: tuple[int, int, int] | None = None
-    fp8: bool = False  # the frozen base's GEMMs in FP8 (a faster forward: offload_capacity)
-
-    @property
-    def forward_flops_per_s(self) -> float:
-        """The forward's matmul rate offloaded copies must hide behind."""
-        return self.options.fp8_fwd_tflops * 1e12 if self.fp8 else FWD_FLOPS_PER_S
 
 
 class BudgetTooSmall(Exception):
@@ -148,7 +138,7 @@ def offload_capacity(w: Workload, keep: Keep = Keep.ATTENTION) -> int:
     it up: all layers' forward time over one layer's copy time, plus the copies still allowed in
     flight when the forward ends."""
     L = w.cfg.num_hidden_layers
-    forward_s = L * FusedExecutor.forward_flops(w.cfg, w.tokens) / w.forward_flops_per_s
+    forward_s = L * FusedExecutor.forward_flops(w.cfg, w.tokens) / FWD_FLOPS_PER_S
     copy_s = kept_bytes(w, keep) / w.options.link_bytes_per_s
     return min(L, int(forward_s / copy_s) + IN_FLIGHT_LAYERS)
 

@@ -225,8 +225,7 @@ class Trainer(StepRunner):
                         options=options, expert_lora=has_expert_lora(m),
                         reference_pass=getattr(self.objective, "needs_reference", False),
                         reference_bytes=self.reference_bytes,
-                        generation=getattr(self.objective, "generation_shape", None),
-                        fp8=cfg.precision == "fp8")
+                        generation=getattr(self.objective, "generation_shape", None))
         policy = cfg.activations
         if policy == "auto" and cuda:
             fixed = self._fixed_bytes()

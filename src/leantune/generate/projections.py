@@ -12,7 +12,11 @@ weights under a bf16 base), x A^T, x W^T and the rank-r addmm: 5 kernels, 35 a l
                engine/weights.py, [W_cat | s B_blockdiag] with LoRA columns), q/k/v, gate/up and
                down each run as [x | x A_pad^T] @ packed^T: one GEMM for A, one concat, one wide
                GEMM for the group, and the MLP's GLU reads the gate/up halves in place; the
-               others (o, layers without a packed provider) as "precast".
+               others (o, layers without a packed provider) as "precast". A layer whose q/k/v
+               (gate/up) are FP8 bases (--precision fp8) runs each group as ONE weight-only FP8
+               GEMV over the members' stacked e4m3 codes (`_PackedFP8`; the members' buffers are
+               views of one storage: engine/weights.DenseWeights.fp8_packed, no copy kept), the
+               LoRA term its residual; LEANTUNE_FP8_PACKED_DECODE=0 keeps one GEMV a projection.
 
 `refresh()` copies the live adapter into the buffers (A casts, the packed weight's LoRA
 columns); the decode loop calls it at every call, before the prefill, so a graph captured in an
@@ -23,9 +27,11 @@ duration of a decode (instance attributes, removed after); nothing else of the m
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 
+from ..kernels.fp8 import fp8_mm
 from ..lora.function import lora_linear
 
 MODES = ("packed", "precast", "plain")
@@ -49,6 +55,22 @@ class _Precast:
         return lora_linear(x, m.weight, m.bias, self.a, self.b, m.scaling)
 
 
+def _lora_cols(ranks) -> tuple[list, int]:
+    """Each member's LoRA columns (a slice, None for rank 0) in a packed group, and their sum."""
+    cols, c = [], 0
+    for r in ranks:
+        cols.append(slice(c, c + r) if r else None)
+        c += r
+    return cols, c
+
+
+def _bias_buffer(mods, dtype, dev) -> torch.Tensor | None:
+    """The group's stacked bias [sum out] (zeros; refresh fills it), None where none has one."""
+    if not any(m.bias is not None for m in mods):
+        return None
+    return torch.zeros(sum(m.out_features for m in mods), dtype=dtype, device=dev)
+
+
 class _Packed:
     """Projections reading one input (q/k/v, gate/up, down) over the engine's packed weight
     [sum out, width]: x [..., in] -> [..., sum out] = [x | x A_pad^T] @ packed^T (+ bias), where
@@ -62,9 +84,7 @@ class _Packed:
         dev = source.packed.device
         self.a = torch.zeros(width - self.in_f, self.in_f, dtype=dtype, device=dev)
         self.outs = [m.out_features for m in mods]
-        self.bias = None
-        if any(m.bias is not None for m in mods):
-            self.bias = torch.zeros(sum(self.outs), dtype=dtype, device=dev)
+        self.bias = _bias_buffer(mods, dtype, dev)
         self.refresh()
 
     @staticmethod
@@ -80,11 +100,7 @@ class _Packed:
         if (tuple(source.packed.shape) != (rows, width)
                 or list(ranks) != [_lora_rank(m) for m in mods]):
             return None  # LoRA columns off (pack_lora): the LoRA term is not in the GEMM
-        cols, c = [], 0
-        for r in ranks:
-            cols.append(slice(c, c + r) if r else None)
-            c += r
-        return _Packed(mods, source, cols, dtype)
+        return _Packed(mods, source, _lora_cols(ranks)[0], dtype)
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -112,6 +128,81 @@ class _Packed:
         return list(y.split(self.outs, dim=-1))
 
 
+def fp8_packing() -> bool:
+    """Whether "packed" runs FP8 q/k/v and gate/up as one GEMV a group (LEANTUNE_FP8_PACKED_DECODE,
+    default on; 0: each projection its own, the model's forward)."""
+    return os.environ.get("LEANTUNE_FP8_PACKED_DECODE", "1") != "0"
+
+
+class _PackedFP8:
+    """Projections reading one input (q/k/v, gate/up) whose bases are all FP8, as one FP8
+    product over their stacked codes (view: an FP8View [sum out, in]): x [..., in] ->
+    [..., sum out] = x W_cat^T + (x A_cat^T) (s B_blockdiag)^T (+ bias). On a decode step
+    (<= 16 rows) fp8_mm runs it as one GEMV whose residual is the LoRA term: 3 kernels a
+    group with an adapter (x A_cat^T, its product with B, the GEMV), 1 without; the prefill
+    runs the FP8 GEMM. A_cat [sum r, in] and s B_blockdiag [sum out, sum r] are the adapted
+    members' adapters cast once per decode call (refresh). None from `make` where the group
+    does not qualify (a member not FP8, mixed input sizes, an output not a multiple of 128)."""
+
+    def __init__(self, mods, view, dtype):
+        self.mods, self.view = mods, view
+        self.in_f = mods[0].in_features
+        self.outs = [m.out_features for m in mods]
+        dev = view.device
+        self.cols, c = _lora_cols([m.r if m.has_lora else 0 for m in mods])
+        self.a = torch.zeros(c, self.in_f, dtype=dtype, device=dev) if c else None
+        self.b = torch.zeros(sum(self.outs), c, dtype=dtype, device=dev) if c else None
+        self.bias = _bias_buffer(mods, dtype, dev)
+        self.refresh()
+
+    @staticmethod
+    def make(mods, weights, dtype):
+        if len(mods) < 2 or not fp8_packing() or any(m.fp8 is None for m in mods):
+            return None
+        view = (weights or _fp8_provider()).fp8_packed(mods)
+        return None if view is None else _PackedFP8(mods, view, dtype)
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        row = 0
+        for m, c, o in zip(self.mods, self.cols, self.outs):
+            if c is not None:
+                self.a[c].copy_(m.lora_A.weight)
+                self.b[row:row + o, c].copy_(m.lora_B.weight)
+                self.b[row:row + o, c].mul_(m.scaling)
+            if self.bias is not None and m.bias is not None:
+                self.bias[row:row + o].copy_(m.bias)
+            row += o
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_f)
+        lora = None
+        if self.a is not None:
+            xa = x2 @ self.a.t()
+            lora = (xa @ self.b.t() if self.bias is None
+                    else torch.addmm(self.bias, xa, self.b.t()))
+        y = fp8_mm(x2, self.view, resid=lora)
+        if self.bias is not None and lora is None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    split = _Packed.split
+
+
+_PROVIDER = []
+
+
+def _fp8_provider():
+    """The weight provider that stacks FP8 groups for a model without an engine (plain
+    generate): its `fp8_packed` makes the members' buffers views of one (no copy kept)."""
+    if not _PROVIDER:
+        from ..engine.options import EngineOptions
+        from ..engine.weights import DenseWeights
+
+        _PROVIDER.append(DenseWeights(EngineOptions()))
+    return _PROVIDER[0]
+
+
 class DecodeProjections:
     """The forwards one decode installs on `model`'s projection modules (module docstring)."""
 
@@ -134,15 +225,20 @@ class DecodeProjections:
             weights = getattr(layer.executor, "weights", None) if mode == "packed" else None
             qkv, o, gu, down = layer_groups(layer)
             done = set()
-            g = _Packed.make(qkv, weights, dtype)
+            fp8 = mode == "packed"  # (FP8 groups: with or without an engine)
+            g = _Packed.make(qkv, weights, dtype) or (
+                _PackedFP8.make(qkv, weights, dtype) if fp8 else None)
             if g is not None:
                 self._attention(qkv, g)
                 done.update(qkv)
             g = _Packed.make(gu, weights, dtype)
             d = _Packed.make(down, weights, dtype)
+            if g is None and fp8 and layer.mlp.act is not None:
+                g = _PackedFP8.make(gu, weights, dtype)
+                d = d or down[0]  # (down: its own forward, precast below where it qualifies)
             if g is not None and d is not None and layer.mlp.act is not None:
                 self._mlp(layer.mlp, g, d)
-                done.update(gu + down)
+                done.update(gu + ([] if d is down[0] else down))
             for m in qkv + o + gu + down:
                 if m not in done and m.has_lora and m.quantized is None:
                     p = _Precast(m, dtype)
@@ -173,12 +269,15 @@ class DecodeProjections:
         self.forwards.append((mods[0], first))
         self.forwards += [(m, member(i)) for i, m in enumerate(mods) if i]
 
-    def _mlp(self, mlp, gu: _Packed, down: _Packed) -> None:
-        """down(act(gate) * up) with gate/up from one GEMM, the GLU reading its halves in place."""
+    def _mlp(self, mlp, gu, down) -> None:
+        """down(act(gate) * up) with gate/up from one GEMM, the GLU reading its halves in place
+        (gu a _Packed or _PackedFP8; down a _Packed, or the down_proj module itself)."""
         from ..kernels.swiglu import glu_fwd
 
-        self.parts += [gu, down]
-        self.packed_groups += 2
+        for part in (gu, down):
+            if isinstance(part, (_Packed, _PackedFP8)):
+                self.parts.append(part)
+                self.packed_groups += 1
         inter = gu.outs[0]
 
         def fwd(x):

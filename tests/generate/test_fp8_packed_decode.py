@@ -66,7 +66,9 @@ def test_quantize_fp8_stacks_groups_into_views_that_training_reads():
 
 @pytest.mark.parametrize("family,lora", [("llama", True), ("qwen2", True), ("llama", False)])
 def test_packed_fp8_steps_equal_per_projection_steps(monkeypatch, family, lora):
-    """The emulated FP8 products (CPU), LoRA on every projection / q/k/v bias / no adapter."""
+    """The emulated FP8 products (CPU), LoRA on every projection / q/k/v bias / no adapter
+    (the 16-bit LM head in both)."""
+    monkeypatch.setenv("LEANTUNE_FP8_DECODE_HEAD", "0")
     model = fp8_model(family, lora)
     ref = step_logits(model, "plain")
     proj = DecodeProjections(model, "packed")
@@ -97,6 +99,7 @@ def gemv_rows(monkeypatch):
 def test_generate_runs_one_gemv_a_group(monkeypatch, gemv_rows):
     """leantune.generate through the Triton GEMV (interpreter): 4 GEMVs a layer (q/k/v, o,
     gate/up, down) instead of 7, the same greedy tokens."""
+    monkeypatch.setenv("LEANTUNE_FP8_DECODE_HEAD", "0")  # (the head: the next test)
     model = fp8_model()
     tokens, per_layer, layer0 = {}, {"1": 4, "0": 7}, {}
     for packed in ("1", "0"):
@@ -111,3 +114,42 @@ def test_generate_runs_one_gemv_a_group(monkeypatch, gemv_rows):
     assert layer0 == {"1": [384, 72, 256, 72],  # q/k/v, o, gate/up, down
                       "0": [128, 128, 128, 72, 128, 128, 72]}  # one a projection
     assert tokens["1"] == tokens["0"]
+
+
+def test_fp8_head_decodes_as_the_dequantised_head(monkeypatch, gemv_rows):
+    """Under FP8 projections the decode steps' logits come from an e4m3 copy of the LM head
+    (the GEMV, x unquantised): the tokens and step logits of the same model whose 16-bit head
+    holds that copy's dequantised values; re-quantised after the head changes; off with
+    LEANTUNE_FP8_DECODE_HEAD=0 and for a tied head."""
+    from leantune.generate.projections import _HEADS
+
+    model = fp8_model()
+    dense_head = fp8_model()
+    head = DecodeProjections(model).head
+    assert head is not None and model in _HEADS
+    with torch.no_grad():
+        dense_head.lm_head.weight.copy_(head.q.dequantize(dtype=torch.float32))
+    with kernels.backend("triton"):
+        got = step_logits(model, "packed", steps=1)
+        monkeypatch.setenv("LEANTUNE_FP8_DECODE_HEAD", "0")
+        assert DecodeProjections(dense_head).head is None
+        want = step_logits(dense_head, "packed", steps=1)
+    assert len(gemv_rows) and 97 in gemv_rows  # the head's 97 rows through the GEMV
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert [t.argmax(-1).tolist() for t in got] == [t.argmax(-1).tolist() for t in want]
+    monkeypatch.delenv("LEANTUNE_FP8_DECODE_HEAD")
+    old = head.q.data.clone()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2)  # (in place, as an optimizer step)
+    DecodeProjections(model).refresh()
+    assert torch.equal(head.q.data.view(torch.uint8), old.view(torch.uint8))  # (codes: scaled)
+    torch.testing.assert_close(head.q.scale, 2 * dense_head_scale(dense_head, head))
+    tied = quantize_fp8_(model_for(dict(FP8_CFG, tie_word_embeddings=True))).eval()
+    assert DecodeProjections(tied).head is None
+
+
+def dense_head_scale(dense_head, head):
+    """The block scales of quantising dense_head's (dequantised) head again: those of head."""
+    w = dense_head.lm_head.weight
+    return FP8Weight(tuple(w.shape), torch.float32).quantize_(w).scale

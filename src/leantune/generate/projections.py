@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 
 import torch
 
@@ -203,6 +204,64 @@ def _fp8_provider():
     return _PROVIDER[0]
 
 
+def fp8_head_on() -> bool:
+    """Whether decoding a model with FP8 projections runs its LM head as an FP8 GEMV
+    (LEANTUNE_FP8_DECODE_HEAD, default on; 0: the 16-bit head)."""
+    return os.environ.get("LEANTUNE_FP8_DECODE_HEAD", "1") != "0"
+
+
+_HEADS = weakref.WeakKeyDictionary()  # model -> its decode FP8 head (kept across decode calls)
+
+
+class _FP8Head:
+    """The logits of a decode step from an e4m3 copy of the untied, frozen LM head W [V, H]
+    (128 x 128 block scales, quantised once and kept with the model: V * H bytes beside the
+    16-bit head, which training and the prefill keep using). A step's <= 16 rows read the FP8
+    codes (fp8_mm: the weight-only GEMV on the GPU, half the 16-bit head's bytes: the largest
+    single read of a small-batch step); more rows (a prefill) take the 16-bit head. None from
+    `make` where the switch is off, the model has no FP8 projection (--precision fp8) or its
+    head is tied. refresh() (each decode call) re-quantises where the head has changed since
+    (trained in place: its version counter; replaced: its address)."""
+
+    def __init__(self, model, q):
+        self.model, self.q = model, q
+        self.key = None
+        self.refresh()
+
+    @staticmethod
+    def make(model):
+        head = getattr(model, "lm_head", None)
+        if (not fp8_head_on() or not isinstance(head, torch.nn.Linear)
+                or head.bias is not None
+                or not any(getattr(m, "fp8", None) is not None for m in model.modules())):
+            return None
+        if model not in _HEADS:
+            from ..kernels.fp8 import FP8Weight
+
+            w = head.weight
+            _HEADS[model] = _FP8Head(model, FP8Weight(tuple(w.shape), w.dtype, device=w.device))
+        return _HEADS[model]
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        w = self.model.lm_head.weight
+        key = (w.data_ptr(), w._version, w.device)
+        if key != self.key:  # (in place: a captured graph reads the same buffers)
+            self.q.to(w.device).quantize_(w)
+            self.key = key
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        """h [B, H] (the rows' last hidden states) -> logits [B, V] (model.logits' contract)."""
+        from ..kernels.fp8_gemv import GEMV_MAX_ROWS
+
+        model = self.model
+        if h.dim() != 2 or h.shape[0] > GEMV_MAX_ROWS:
+            return type(model).logits(model, h)
+        logits = fp8_mm(h, self.q)
+        cap = model.config.final_softcap
+        return logits if not cap else torch.tanh(logits / cap) * cap
+
+
 class DecodeProjections:
     """The forwards one decode installs on `model`'s projection modules (module docstring)."""
 
@@ -213,6 +272,10 @@ class DecodeProjections:
         self.forwards: list[tuple[torch.nn.Module, object]] = []  # (module, its forward)
         self.parts: list = []  # what refresh() refreshes
         self.packed_groups = 0
+        self.model = model
+        self.head = _FP8Head.make(model) if mode == "packed" else None
+        if self.head is not None:
+            self.parts.append(self.head)
         if mode == "plain":
             return
         from ..engine.weights import layer_groups
@@ -298,8 +361,11 @@ class DecodeProjections:
     def installed(self):
         for m, f in self.forwards:
             m.forward = f
+        if self.head is not None:
+            self.model.logits = self.head
         try:
             yield self
         finally:
             for m, _ in self.forwards:
                 m.__dict__.pop("forward", None)
+            self.model.__dict__.pop("logits", None)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from .cache import KVCache
-from .projections import DecodeProjections, fp8_packing
+from .projections import DecodeProjections, fp8_head_on, fp8_packing
 from .sampling import Sampler, Sampling
 
 EOS, STOP_STRING, LENGTH = "eos", "stop string", "length"
@@ -256,7 +256,7 @@ def _step_for(model, batch: int, slots: int, device, graph: bool, log,
         return DecodeStep(model, batch, slots, device, False, log, projections)
 
     def key():  # (FP8 codes are buffers: their addresses count too)
-        return (batch, slots, device, projections, fp8_packing(),
+        return (batch, slots, device, projections, fp8_packing(), fp8_head_on(),
                 tuple(p.data_ptr() for p in model.parameters()),
                 tuple(b.data_ptr() for b in model.buffers()))
 

@@ -224,8 +224,8 @@ class _FP8Head:
     (trained in place: its version counter; replaced: its address)."""
 
     def __init__(self, model, q):
-        self.model, self.q = model, q
-        self.key = None
+        self.model = weakref.ref(model)  # (no reference to the model: it keys _HEADS)
+        self.q, self.key = q, None
         self.refresh()
 
     @staticmethod
@@ -244,7 +244,7 @@ class _FP8Head:
 
     @torch.no_grad()
     def refresh(self) -> None:
-        w = self.model.lm_head.weight
+        w = self.model().lm_head.weight
         key = (w.data_ptr(), w._version, w.device)
         if key != self.key:  # (in place: a captured graph reads the same buffers)
             self.q.to(w.device).quantize_(w)
@@ -254,7 +254,7 @@ class _FP8Head:
         """h [B, H] (the rows' last hidden states) -> logits [B, V] (model.logits' contract)."""
         from ..kernels.fp8_gemv import GEMV_MAX_ROWS
 
-        model = self.model
+        model = self.model()
         if h.dim() != 2 or h.shape[0] > GEMV_MAX_ROWS:
             return type(model).logits(model, h)
         logits = fp8_mm(h, self.q)
@@ -272,7 +272,7 @@ class DecodeProjections:
         self.forwards: list[tuple[torch.nn.Module, object]] = []  # (module, its forward)
         self.parts: list = []  # what refresh() refreshes
         self.packed_groups = 0
-        self.model = model
+        self.model = weakref.ref(model)  # (no reference: the model keys the steps kept)
         self.head = _FP8Head.make(model) if mode == "packed" else None
         if self.head is not None:
             self.parts.append(self.head)
@@ -362,10 +362,11 @@ class DecodeProjections:
         for m, f in self.forwards:
             m.forward = f
         if self.head is not None:
-            self.model.logits = self.head
+            self.model().logits = self.head
         try:
             yield self
         finally:
             for m, _ in self.forwards:
                 m.__dict__.pop("forward", None)
-            self.model.__dict__.pop("logits", None)
+            if self.head is not None:
+                self.model().__dict__.pop("logits", None)

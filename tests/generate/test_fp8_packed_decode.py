@@ -73,6 +73,9 @@ def test_packed_fp8_steps_equal_per_projection_steps(monkeypatch, family, lora):
     ref = step_logits(model, "plain")
     proj = DecodeProjections(model, "packed")
     assert proj.packed_groups == 2 * len(model.layers)
+    # q, k, v, the MLP (gate/up + down's own forward) and o (adapted in both), down (adapted
+    # with lora): o and down as one-member products
+    assert len(proj.forwards) == (5 + lora) * len(model.layers)
     for a, b in zip(step_logits(model, "packed"), ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     monkeypatch.setenv("LEANTUNE_FP8_PACKED_DECODE", "0")  # the switch: one product a projection

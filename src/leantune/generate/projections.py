@@ -16,12 +16,17 @@ weights under a bf16 base), x A^T, x W^T and the rank-r addmm: 5 kernels, 35 a l
                (gate/up) are FP8 bases (--precision fp8) runs each group as ONE weight-only FP8
                GEMV over the members' stacked e4m3 codes (`_PackedFP8`; the members' buffers are
                views of one storage: engine/weights.DenseWeights.fp8_packed, no copy kept), the
-               LoRA term its residual; LEANTUNE_FP8_PACKED_DECODE=0 keeps one GEMV a projection.
+               LoRA term its residual (an adapted FP8 o / down: the same, one member);
+               LEANTUNE_FP8_PACKED_DECODE=0 keeps the model's own forward, one GEMV a
+               projection. With FP8 projections the LM head of a step runs as an FP8 GEMV too
+               (`_FP8Head`: an e4m3 copy of the untied head, kept with the model; half the
+               16-bit head's bytes a token); LEANTUNE_FP8_DECODE_HEAD=0 keeps the 16-bit head.
 
 `refresh()` copies the live adapter into the buffers (A casts, the packed weight's LoRA
 columns); the decode loop calls it at every call, before the prefill, so a graph captured in an
-earlier call sees the adapter as trained since. `installed()` sets the modules' forwards for the
-duration of a decode (instance attributes, removed after); nothing else of the model changes.
+earlier call sees the adapter as trained since. `installed()` sets the modules' forwards (and,
+with the FP8 head, the model's `logits`) for the duration of a decode (instance attributes,
+removed after); nothing else of the model changes, beyond FP8 groups' codes stacked once.
 """
 
 from __future__ import annotations

@@ -156,3 +156,22 @@ def dense_head_scale(dense_head, head):
     """The block scales of quantising dense_head's (dequantised) head again: those of head."""
     w = dense_head.lm_head.weight
     return FP8Weight(tuple(w.shape), torch.float32).quantize_(w).scale
+
+
+def test_decode_stacks_groups_loaded_apart():
+    """A model whose FP8 buffers have storage of their own each (loaded from meta: to_empty
+    allocates buffer by buffer) gets its groups stacked by the first decode step, the codes
+    unchanged: the members' buffers become views of one (no copy kept)."""
+    model = fp8_model()
+    qkv = layer_groups(model.layers[0])[0]
+    before = [m.fp8.data.float().clone() for m in qkv]
+    for layer in model.layers:
+        for mods in layer_groups(layer):
+            for m in mods:
+                m.fp8.data, m.fp8.scale = m.fp8.data.clone(), m.fp8.scale.clone()
+    shape = (sum(m.out_features for m in qkv), qkv[0].in_features)
+    assert FP8View.over([(m.fp8.data, m.fp8.scale) for m in qkv], shape, torch.float32) is None
+    assert DecodeProjections(model).packed_groups == 2 * len(model.layers)
+    view = FP8View.over([(m.fp8.data, m.fp8.scale) for m in qkv], shape, torch.float32)
+    assert view is not None and view.data.data_ptr() == qkv[0].fp8.data.data_ptr()
+    assert all(torch.equal(m.fp8.data.float(), b) for m, b in zip(qkv, before))

@@ -57,6 +57,11 @@ from leantune.kernels import fp8_gemm  # noqa: E402
 from leantune.kernels.fp8 import (FP8_DTYPE, FP8_MAX, FP8Weight,  # noqa: E402
                                   fp8_mm_reference)
 
+# decode --tiny: the tiny Llama with q/k/v and gate/up rows multiples of 128 (so its FP8 groups
+# stack and the packed decode path runs, as at 8B)
+SHAPES["tiny-fp8-decode"] = dict(SHAPES["tiny"], num_key_value_heads=4, head_dim=32,
+                                 intermediate_size=128)
+
 # Llama-3.1-8B's projections, (out, in)
 PROJECTIONS = {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (14336, 4096),
                "down": (4096, 14336)}
@@ -335,29 +340,40 @@ def decode_part(args, device) -> list[dict]:
     """(d) Batch-1 greedy decoding (leantune.generate, CUDA graphs on the GPU): a random prompt
     of 128 tokens, --new-tokens new ones (EOS off), the --shape model in bf16, then with its
     projections quantised to FP8 (the same GEMM kernel: a decode step streams the e4m3 weights,
-    half the bytes). tok/s of new tokens, median of 3 calls after a warm-up (which tunes and
-    captures)."""
+    half the bytes). "fp8": q/k/v and gate/up as one GEMV a group (generate/projections.py
+    _PackedFP8) and an FP8 LM head (_FP8Head); "fp8-bf16-head": the same with the 16-bit head
+    (LEANTUNE_FP8_DECODE_HEAD=0); "fp8-unpacked": one GEMV a projection and the 16-bit head
+    (LEANTUNE_FP8_PACKED_DECODE=0 too: the path before both). tok/s of new tokens, median of
+    3 calls after a warm-up (which tunes and captures)."""
     import time
 
     import leantune
     from leantune.lora.base_weight import quantize_fp8_
 
-    shape = "tiny" if args.tiny else args.shape
+    from leantune.generate.projections import DecodeProjections
+
+    shape = "tiny-fp8-decode" if args.tiny else args.shape
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = leantune_model(shape, device, dtype).eval()
     g = torch.Generator().manual_seed(0)
     rows = torch.randint(0, model.config.vocab_size, (1, 128 if not args.tiny else 8),
                          generator=g).tolist()
     out = []
-    for precision in ("bf16", "fp8"):
+    switches = {"bf16": ("1", "1"), "fp8": ("1", "1"), "fp8-bf16-head": ("1", "0"),
+                "fp8-unpacked": ("0", "0")}  # (LEANTUNE_FP8_PACKED_DECODE, _DECODE_HEAD)
+    for precision, (packed, head) in switches.items():
         if precision == "fp8":
             quantize_fp8_(model)
+        os.environ["LEANTUNE_FP8_PACKED_DECODE"], os.environ["LEANTUNE_FP8_DECODE_HEAD"] = (
+            packed, head)
 
         def run():
             return leantune.generate(model, None, rows, max_new_tokens=args.new_tokens,
                                      eos_token_ids=[], cuda_graphs=device.type == "cuda")
 
-        row = dict(shape=shape, precision=precision, batch=1, new_tokens=args.new_tokens)
+        row = dict(shape=shape, precision=precision, batch=1, new_tokens=args.new_tokens,
+                   packed_groups=DecodeProjections(model).packed_groups,
+                   fp8_head=DecodeProjections(model).head is not None)
         try:
             run()
             times = []
@@ -372,6 +388,8 @@ def decode_part(args, device) -> list[dict]:
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         record("fp8_decode", **row)
         out.append(row)
+    for name in ("LEANTUNE_FP8_PACKED_DECODE", "LEANTUNE_FP8_DECODE_HEAD"):
+        os.environ.pop(name)
     del model
     reset_peak(device)
     return out
@@ -420,8 +438,9 @@ def print_table(gemms: list[dict], steps: list[dict], losses: list[dict] = (),
                           f"{r['tok_s']:>8.0f}  {_f(r['peak_gib'], '{:.2f}'):>9}   "
                           f"{r['plan'][:60]}"))
     for r in decodes:
-        print(f"decode {r['shape']} batch 1 {r['precision']:<5} "
-              + (f"{r['tok_s']:.1f} tok/s" if "tok_s" in r else f"error: {r['error'][:80]}"))
+        print(f"decode {r['shape']} batch 1 {r['precision']:<13} "
+              + (f"{r['tok_s']:.1f} tok/s" if "tok_s" in r else f"error: {r['error'][:80]}")
+              + f"  (packed groups {r['packed_groups']}, fp8 head {r['fp8_head']})")
     for r in losses:
         print(f"\nloss  {r['shape']} {r['steps']} steps lr {r['lr']:g}: fp8 vs bf16 mean "
               f"{r['fp8_mean_rel_gap']:.2e} (max {r['fp8_max_rel_gap']:.2e}); bf16 noise floor "

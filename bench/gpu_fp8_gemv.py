@@ -6,8 +6,9 @@ bf16: 2), each timed as a CUDA graph of calls cycling over copies of the weight 
 host launch cost: what a captured decode step pays); the GEMV's tuned config; its error
 against x @ dequantize(W)^T (fp32), eager and replayed from a CUDA graph on a new x, and the
 GEMM's (which also rounds x to e4m3). Last, the
-projections of one token through 32 layers (q, k, v, o, gate, up, down unpacked, as the
-decode path runs them) for each kernel.
+projections of one token through 32 layers for each kernel: unpacked (q, k, v, o, gate, up,
+down: LEANTUNE_FP8_PACKED_DECODE=0) and packed (qkv, o, gate_up, down: the FP8 decode path),
+and the LM head (128256 rows: the FP8 decode head against the 16-bit one).
 
     python bench/gpu_fp8_gemv.py                 # the GPU (~1 min on an H200, first tuning incl.)
     python bench/gpu_fp8_gemv.py --rows 1 4 16   # also a few-row batch (GRPO rollouts)
@@ -35,10 +36,14 @@ from leantune.kernels.fp8 import FP8View, FP8Weight  # noqa: E402
 
 # Llama-3.1-8B's projections (out, in); "qkv" and "gate_up": the engine's packed groups
 SHAPES = {"q/o": (4096, 4096), "k/v": (1024, 4096), "qkv": (6144, 4096),
-          "gate/up": (14336, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-TINY_SHAPES = {"q/o": (256, 200), "k/v": (130, 200), "gate/up": (384, 200), "down": (200, 384)}
+          "gate/up": (14336, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+          "lm_head": (128256, 4096)}  # (the FP8 decode head: generate/projections._FP8Head)
+TINY_SHAPES = {"q/o": (256, 200), "k/v": (130, 200), "qkv": (512, 200), "gate/up": (384, 200),
+               "gate_up": (768, 200), "down": (200, 384), "lm_head": (300, 200)}
 # per token and layer, as the decode path (LoRALinear, one GEMM a projection) runs them
 PER_LAYER = {"q/o": 2, "k/v": 2, "gate/up": 2, "down": 1}
+# as the packed FP8 decode path runs them (generate/projections._PackedFP8): one GEMV a group
+PACKED_PER_LAYER = {"qkv": 1, "q/o": 1, "gate_up": 1, "down": 1}
 LAYERS = 32
 
 
@@ -106,13 +111,18 @@ def print_table(rows: list[dict]) -> None:
               f"w{c['num_warps']} s{c['num_stages']}")
     for M in sorted({r["M"] for r in rows}):
         by = {r["shape"]: r for r in rows if r["M"] == M}
-        if not all(s in by for s in PER_LAYER):
-            continue
-        totals = {k: LAYERS * sum(n * (by[s].get(f"{k}_us") or float("nan"))
-                                  for s, n in PER_LAYER.items()) for k in ("gemv", "gemm", "bf16")}
-        print(f"GEMV  projections of one token, {LAYERS} layers, M={M}: gemv "
-              f"{totals['gemv'] / 1e3:.2f} ms / fp8_gemm {totals['gemm'] / 1e3:.2f} ms / bf16 "
-              f"{totals['bf16'] / 1e3:.2f} ms")
+        for label, per_layer in (("unpacked", PER_LAYER), ("packed", PACKED_PER_LAYER)):
+            if not all(s in by for s in per_layer):
+                continue
+            totals = {k: LAYERS * sum(n * (by[s].get(f"{k}_us") or float("nan"))
+                                      for s, n in per_layer.items())
+                      for k in ("gemv", "gemm", "bf16")}
+            head = (f"; + lm_head gemv {by['lm_head']['gemv_us'] / 1e3:.3f} ms / bf16 "
+                    f"{by['lm_head']['bf16_us'] / 1e3:.3f} ms"
+                    if "gemv_us" in by.get("lm_head", {}) and "bf16_us" in by["lm_head"] else "")
+            print(f"GEMV  projections of one token ({label}), {LAYERS} layers, M={M}: gemv "
+                  f"{totals['gemv'] / 1e3:.2f} ms / fp8_gemm {totals['gemm'] / 1e3:.2f} ms / "
+                  f"bf16 {totals['bf16'] / 1e3:.2f} ms{head}")
 
 
 def main():

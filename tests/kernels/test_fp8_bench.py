@@ -32,5 +32,8 @@ def test_fp8_bench_tiny(tmp_path):
     assert len(loss) == 1 and len(loss[0]["curves"]["fp8"]) == 6
     assert loss[0]["fp8_mean_rel_gap"] < 1e-2  # (the tiny model: FP8 follows bf16 closely)
     decode = [r for r in rows if r["section"] == "fp8_decode"]
-    assert [(r["precision"], r["tok_s"] > 0) for r in decode] == [("bf16", True), ("fp8", True)]
+    assert [(r["precision"], r["tok_s"] > 0, r["packed_groups"], r["fp8_head"])
+            for r in decode] == [("bf16", True, 0, False), ("fp8", True, 4, True),
+                                 ("fp8-bf16-head", True, 4, False),
+                                 ("fp8-unpacked", True, 0, False)]  # (2 layers x 2 groups)
     assert res.stdout.rstrip().splitlines()[-1].startswith("loss  tiny 6 steps")  # the table

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from .cache import KVCache
-from .projections import DecodeProjections
+from .projections import DecodeProjections, fp8_head_on, fp8_packing
 from .sampling import Sampler, Sampling
 
 EOS, STOP_STRING, LENGTH = "eos", "stop string", "length"
@@ -255,8 +255,10 @@ def _step_for(model, batch: int, slots: int, device, graph: bool, log,
     if not graph:
         return DecodeStep(model, batch, slots, device, False, log, projections)
 
-    def key():
-        return (batch, slots, device, projections, tuple(p.data_ptr() for p in model.parameters()))
+    def key():  # (FP8 codes are buffers: their addresses count too)
+        return (batch, slots, device, projections, fp8_packing(), fp8_head_on(),
+                tuple(p.data_ptr() for p in model.parameters()),
+                tuple(b.data_ptr() for b in model.buffers()))
 
     kept = _GRAPHED.get(model)
     if kept is not None and kept[0] == key():

@@ -174,7 +174,28 @@ def quantize_fp8_(model):
             w = mod.weight
             q = FP8Weight(tuple(w.shape), w.dtype, device=w.device)
             mod.set_quantized_base(q if w.is_meta else q.quantize_(w))
+    stack_fp8_groups(model)
     return model
+
+
+def stack_fp8_groups(model) -> int:
+    """Give each layer's FP8 q/k/v and gate/up one codes and one scales tensor, the members'
+    FP8Weight buffers row-slice views of them (engine/weights.DenseWeights.fp8_packed: output
+    sizes multiples of 128, so the block scales slice on rows too), so that one GEMM or decode
+    GEMV reads a group with no copy kept; the members' own GEMMs read their contiguous slices.
+    Skipped on the meta device (`to_empty` gives each buffer its own storage; the engine or the
+    decode step stacks them on first use). Returns the groups stacked."""
+    from ..engine.options import EngineOptions
+    from ..engine.weights import DenseWeights, layer_groups
+
+    weights, n = DenseWeights(EngineOptions()), 0
+    for layer in getattr(model, "layers", []):
+        qkv, _, gu, _ = layer_groups(layer)
+        for mods in (qkv, gu):
+            if (mods and all(m.fp8 is not None and not m.fp8.data.is_meta for m in mods)
+                    and weights.fp8_packed(mods) is not None):
+                n += 1
+    return n
 
 
 def check_precision(precision: str, device: torch.device, prequantized: bool = False,
@@ -195,4 +216,4 @@ def check_precision(precision: str, device: torch.device, prequantized: bool = F
 
 
 __all__ = ["BaseWeight", "DenseBase", "FP8Base", "NF4Base", "base_linear",
-           "check_precision", "quantize_fp8_", "wrap"]
+           "check_precision", "quantize_fp8_", "stack_fp8_groups", "wrap"]

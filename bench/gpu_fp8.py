@@ -371,9 +371,9 @@ def decode_part(args, device) -> list[dict]:
             return leantune.generate(model, None, rows, max_new_tokens=args.new_tokens,
                                      eos_token_ids=[], cuda_graphs=device.type == "cuda")
 
+        parts = DecodeProjections(model)
         row = dict(shape=shape, precision=precision, batch=1, new_tokens=args.new_tokens,
-                   packed_groups=DecodeProjections(model).packed_groups,
-                   fp8_head=DecodeProjections(model).head is not None)
+                   packed_groups=parts.packed_groups, fp8_head=parts.head is not None)
         try:
             run()
             times = []

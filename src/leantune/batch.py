@@ -51,8 +51,9 @@ class PackedBatch:
     target_rows: torch.Tensor | None = None
 
     def __post_init__(self):
-        if self.target_rows is None and self.labels is not None and self.labels.device.type == "cpu":
-            self.target_rows = (self.labels.reshape(-1) != IGNORE_INDEX).nonzero()[:, 0]
+        labels = self.labels
+        if self.target_rows is None and labels is not None and labels.device.type == "cpu":
+            self.target_rows = (labels.reshape(-1) != IGNORE_INDEX).nonzero()[:, 0]
         # A hand-built batch may omit the host copies: derive them once here (outside the model).
         if not self.seq_lens and self.cu_seqlens is not None and self.cu_seqlens.numel() > 1:
             self.seq_lens = torch.diff(self.cu_seqlens.cpu()).tolist()

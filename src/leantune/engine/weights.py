@@ -34,6 +34,8 @@ GEMM: one per weight shape, shared by every layer (no second resident copy).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..kernels.fp8 import BLOCK as FP8_BLOCK
@@ -330,6 +332,14 @@ class DenseWeights:
                 row += m.out_features
         mods[0]._lt_packed_layout = layout
         return buf
+
+
+@functools.cache
+def plain_weights() -> DenseWeights:
+    """A DenseWeights with the default options, for stacking FP8 groups outside an engine
+    (quantize_fp8_, plain decoding): it keeps no state of its own (the layout lives on the
+    modules), so one serves every model."""
+    return DenseWeights(EngineOptions())
 
 
 def layer_groups(layer) -> tuple[list, list, list, list]:

@@ -167,7 +167,10 @@ class _PackedFP8:
     def make(mods, weights, dtype):
         if len(mods) < 2 or not fp8_packing() or any(m.fp8 is None for m in mods):
             return None
-        view = (weights or _fp8_provider()).fp8_packed(mods)
+        if weights is None:  # (no engine: plain generate)
+            from ..engine.weights import plain_weights
+            weights = plain_weights()
+        view = weights.fp8_packed(mods)
         return None if view is None else _PackedFP8(mods, view, dtype)
 
     @torch.no_grad()
@@ -195,20 +198,6 @@ class _PackedFP8:
         return y.view(*x.shape[:-1], y.shape[-1])
 
     split = _Packed.split
-
-
-_PROVIDER = []
-
-
-def _fp8_provider():
-    """The weight provider that stacks FP8 groups for a model without an engine (plain
-    generate): its `fp8_packed` makes the members' buffers views of one (no copy kept)."""
-    if not _PROVIDER:
-        from ..engine.options import EngineOptions
-        from ..engine.weights import DenseWeights
-
-        _PROVIDER.append(DenseWeights(EngineOptions()))
-    return _PROVIDER[0]
 
 
 def fp8_head_on() -> bool:

@@ -185,10 +185,9 @@ def stack_fp8_groups(model) -> int:
     GEMV reads a group with no copy kept; the members' own GEMMs read their contiguous slices.
     Skipped on the meta device (`to_empty` gives each buffer its own storage; the engine or the
     decode step stacks them on first use). Returns the groups stacked."""
-    from ..engine.options import EngineOptions
-    from ..engine.weights import DenseWeights, layer_groups
+    from ..engine.weights import layer_groups, plain_weights
 
-    weights, n = DenseWeights(EngineOptions()), 0
+    weights, n = plain_weights(), 0
     for layer in getattr(model, "layers", []):
         qkv, _, gu, _ = layer_groups(layer)
         for mods in (qkv, gu):

@@ -36,8 +36,8 @@ class PackedBatch:
         num_real_tokens: tokens that belong to documents, padding excluded (Python int).
         target_rows: [num_target_tokens] int64 flat indices (over B*T) of the labels !=
             IGNORE_INDEX, found on the host once per batch (None for a batch built on the
-            device): the LM head runs on these rows only (model/transformer.py), so prompt
-            tokens and padding cost no [rows, vocab] GEMM.
+            device): the token log-prob head runs on these rows only (model/transformer.py), so
+            prompt tokens and padding cost no [rows, vocab] GEMM there.
     """
 
     input_ids: torch.Tensor

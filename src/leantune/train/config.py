@@ -325,8 +325,8 @@ class TrainConfig:
             self._validate_grpo()
             return
         if o.beta is None and o.name != "sft":  # the preference objective's default (TRL's)
-            from .losses.preference import DEFAULT_BETAS
-            o.beta = DEFAULT_BETAS[o.name]
+            from .losses.preference import DEFAULT_BETAS, DPO_BETA
+            o.beta = DEFAULT_BETAS.get(o.name, DPO_BETA)  # (an objective of one's own: 0.1)
         if o.name != "sft":
             for name in ("train_on_inputs", "format"):
                 if getattr(self, name) not in (None, False):

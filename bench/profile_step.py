@@ -22,6 +22,9 @@ from speed import make_trainer, random_batch  # noqa: E402
 from leantune.model.config import ModelConfig  # noqa: E402
 
 
+WITH_STACK = False  # --stack: Python frames in the trace (the host causes name Python lines)
+
+
 def category(name: str) -> str:
     n = name.lower()
     if "flash" in n or "fmha" in n or "attention" in n:
@@ -59,7 +62,7 @@ def profile(shape, policy, tokens_rows, seq, device):
     from torch.profiler import ProfilerActivity, profile as tprofile
     steps = 2
     with tprofile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU],
-                  record_shapes=True) as prof:
+                  record_shapes=True, with_stack=WITH_STACK) as prof:
         for _ in range(steps):
             trainer.train_step([b])
         torch.cuda.synchronize()
@@ -95,8 +98,8 @@ def idle_gaps(prof, steps, shape, policy, top=12):
 
     path = os.path.join(tempfile.mkdtemp(), "trace.json")
     prof.export_chrome_trace(path)
-    events = [e for e in json.load(open(path))["traceEvents"]
-              if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    trace = [e for e in json.load(open(path))["traceEvents"] if e.get("ph") == "X"]
+    events = [e for e in trace if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     busy = defaultdict(float)
     for e in events:
         busy[e["tid"]] += e["dur"]
@@ -119,6 +122,70 @@ def idle_gaps(prof, steps, shape, policy, top=12):
            by_tenth_ms={k: round(v / 1e3 / steps, 2) for k, v in sorted(by_tenth.items())})
     for (a, b), us in sorted(by_pair.items(), key=lambda kv: -kv[1])[:top]:
         print(f"   idle {us / 1e3 / steps:7.2f} ms  after {a}  before {b}", flush=True)
+    host_causes(trace, ks, steps, shape, policy, top)
+
+
+def host_causes(trace, ks, steps, shape, policy, top=12, sample_us=10.0):
+    """Why the compute stream idles: for each gap before a kernel, whether that kernel was
+    launched late by the host (then: what the launching thread was doing while the stream sat
+    idle, its innermost CPU op or CUDA runtime call, sampled every `sample_us`) or launched in
+    time and held on the device (waiting on another stream's event, e.g. an offload copy)."""
+    import bisect
+
+    launches = {e["args"].get("correlation"): e for e in trace
+                if e.get("cat") in ("cuda_runtime", "cuda_driver")
+                and "correlation" in e.get("args", {})}
+    host = defaultdict(list)  # tid -> its CPU ops and runtime calls
+    for e in trace:
+        if e.get("cat") in ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation",
+                            "python_function"):
+            host[e["tid"]].append(e)
+    starts = {}
+    for tid, evs in host.items():
+        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+        starts[tid] = [e["ts"] for e in evs]
+
+    def innermost(tid, t):
+        evs, st = host[tid], starts[tid]
+        i = bisect.bisect_right(st, t) - 1
+        best = None
+        # the latest-starting event that still covers t is the innermost (events nest)
+        for j in range(i, max(-1, i - 400), -1):
+            e = evs[j]
+            if e["ts"] + e["dur"] >= t:
+                best = e
+                break
+        return best["name"][:60] if best else "(no host event)"
+
+    late, held = defaultdict(float), 0.0
+    end = ks[0]["ts"] + ks[0]["dur"]
+    for e in ks[1:]:
+        gap = e["ts"] - end
+        if gap > 5:
+            lz = launches.get(e.get("args", {}).get("correlation"))
+            if lz is None:
+                late["(launch not traced)"] += gap
+            else:
+                issued = lz["ts"] + lz["dur"]
+                if issued <= end:  # enqueued before the stream went idle: held on the device
+                    held += gap
+                else:
+                    t = end
+                    stop = min(issued, e["ts"])
+                    while t < stop:
+                        late[innermost(lz["tid"], t)] += min(sample_us, stop - t)
+                        t += sample_us
+                    held += max(0.0, e["ts"] - issued)
+        end = max(end, e["ts"] + e["dur"])
+    late_ms = sum(late.values()) / 1e3 / steps
+    record("idle_causes", shape=shape, policy=policy, host_late_ms=round(late_ms, 2),
+           device_held_ms=round(held / 1e3 / steps, 2),
+           top={k: round(v / 1e3 / steps, 2) for k, v in
+                sorted(late.items(), key=lambda kv: -kv[1])[:top]})
+    print(f"   idle: host late {late_ms:.2f} ms/step, held on the device "
+          f"{held / 1e3 / steps:.2f} ms/step; the host meanwhile:", flush=True)
+    for name, us in sorted(late.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"   {us / 1e3 / steps:7.2f} ms  {name}", flush=True)
 
 
 def gemm_table(prof, steps, shape, policy, top=16):
@@ -259,7 +326,11 @@ def main():
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--no-ceilings", action="store_true")
     ap.add_argument("--attention", action="store_true", help="time attention backends too")
+    ap.add_argument("--stack", action="store_true",
+                    help="record Python stacks (host causes name the Python function)")
     args = ap.parse_args()
+    global WITH_STACK
+    WITH_STACK = args.stack
     device = torch.device("cuda")
     if args.attention:
         attention_backends(device)

@@ -158,13 +158,13 @@ def test_roles_change_the_output(checkpoints):
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3_text", "gemma3_mm", "phi3", "phi3_longrope"])
 def test_greedy_generation_matches_transformers(checkpoints, name):
-    """Past the windows (4). LongRoPE stays within its original context (8): at the switch
-    transformers' Phi-3 drops its KV cache and recomputes every key with the long factors
-    (Phi3ForCausalLM.prepare_inputs_for_generation), which leantune's decode does not (yet)."""
+    """Past the windows (4), and across LongRoPE's switch to its long factors (original
+    context 8: the 5-token prompt grows past it), where transformers' Phi-3 drops its KV cache
+    and recomputes every key with the long factors, as leantune's decode does."""
     from leantune.generate.decode import decode
 
     _, hf, model = checkpoints[name]
-    new = 3 if name == "phi3_longrope" else 9
+    new = 9
     prompt = torch.randint(0, 98, (1, 5), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         ref = hf.generate(prompt, max_new_tokens=new, do_sample=False, eos_token_id=None,

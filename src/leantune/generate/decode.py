@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..model.rope import longrope_original
 from .cache import KVCache
 from .projections import DecodeProjections, fp8_head_on, fp8_packing
 from .sampling import Sampler, Sampling
@@ -115,7 +116,8 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int,
     if graphs:
         slots = -(-slots // GRAPH_SLOTS) * GRAPH_SLOTS
     was_training = model.training
-    model.eval()
+    if was_training:  # (a walk over every module: skipped for a model already in eval mode)
+        model.eval()
     try:
         step = _step_for(model, B, slots, device, graphs, log, projections)
         step.proj.refresh()  # the adapter as trained since the graph was captured
@@ -123,7 +125,8 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int,
             return _run(model, step, prompts, max_new_tokens, sampling, eos_ids, stop_check,
                         check_every, on_tokens, device, share_prompts)
     finally:
-        model.train(was_training)
+        if was_training:
+            model.train()
 
 
 def _left_padded(prompts: list[list[int]], P: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,6 +176,7 @@ def _run(model, step, prompts, max_new_tokens, sampling, eos_ids, stop_check, ch
     rows = [_Row() for _ in prompts]
     eos = set(int(i) for i in eos_ids)
     every = check_every or (1 if device.type != "cuda" or on_tokens else CUDA_CHECK_EVERY)
+    recache_at = _recache_slot(model, P)
     read = 0
     for i in range(max_new_tokens):
         tokens = sampler(logits)
@@ -187,9 +191,34 @@ def _run(model, step, prompts, max_new_tokens, sampling, eos_ids, stop_check, ch
             if all(row.stopped for row in rows):
                 break
         if not last:
-            cache.start.fill_(P + i)  # the slot of the token just chosen
-            logits = step(model, tokens)
+            if P + i == recache_at:  # LongRoPE's switch: every key again, with long factors
+                logits = _recache(model, cache, prompts, out[:, :i + 1], device)
+            else:
+                cache.start.fill_(P + i)  # the slot of the token just chosen
+                logits = step(model, tokens)
     return [Decoded(row.ids, row.stopped or LENGTH) for row in rows]
+
+
+def _recache_slot(model, P: int) -> int | None:
+    """The slot at which a LongRoPE model's decode rebuilds its cache, or None. The RoPE of a
+    forward takes LongRoPE's long factors once a position reaches the original context
+    (model/rope.py); the keys cached before it were rotated with the short ones. As
+    transformers' Phi-3 does at that point (it drops its cache when the sequence first grows
+    past the original context), the forward of the token at that slot runs over the whole
+    sequence so far, so every key is rotated with the long factors. A prompt already past it
+    was prefilled with them: nothing to do."""
+    long_from = longrope_original(getattr(model.config, "rope_scaling", None))
+    return long_from if long_from is not None and P <= long_from else None
+
+
+def _recache(model, cache: KVCache, prompts, new: torch.Tensor, device) -> torch.Tensor:
+    """The forward over the prompts and the `new` tokens [B, n] chosen so far, from slot 0
+    (the cache rewritten): the logits [B, V] of each row's last token."""
+    ids, _ = _left_padded(prompts, max(len(p) for p in prompts))
+    full = torch.cat([ids.to(device), new], 1)
+    cache.start.fill_(0)
+    positions, meta = cache.meta(full.shape[1])
+    return model.forward_cached(full, positions, meta)
 
 
 class DecodeStep:

@@ -51,6 +51,8 @@ def main():
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--call-tokens", type=int, default=256)
     ap.add_argument("--host-profile", help="write the 1-token call's host profile here")
+    ap.add_argument("--eager-ops", action="store_true",
+                    help="also an op table of eager decode steps (which op runs which kernel)")
     ap.add_argument("--tiny", action="store_true", help="tiny model on the CPU (checks the path)")
     args = ap.parse_args()
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
@@ -120,6 +122,18 @@ def main():
     with profile(activities=acts) as prof:
         run(args.new_tokens)
         sync()
+    if args.eager_ops and graphs:  # which op launches each kernel: eager steps, op table
+        with profile(activities=acts) as eprof:
+            leantune.generate(model, None, rows, max_new_tokens=args.new_tokens,
+                              eos_token_ids=[], cuda_graphs=False)
+            sync()
+        n = args.new_tokens + 1
+        ops = [e for e in eprof.key_averages() if e.self_device_time_total > 0]
+        ops.sort(key=lambda e: -e.self_device_time_total)
+        print("   eager decode (no graph): ops by their kernels' time")
+        for e in ops[:args.top]:
+            print(f"   {e.self_device_time_total / n:8.1f} us/token  x{e.count / n:5.1f}  "
+                  f"{e.key[:70]}", flush=True)
     kern_us, count, rows_ = kernel_table(prof, args.new_tokens + 1, args.top)
     for name, (us, c) in rows_.items():
         print(f"   {us:8.1f} us/token  x{c:5.1f}  {name}", flush=True)

@@ -87,17 +87,17 @@ class QuantizedRows:
         M = self.x.shape[0]
         return self.codes[:M], self.scale_t[:, :M]
 
-    def rows(self, sl: slice) -> "QuantizedRows | torch.Tensor":
+    def rows(self, sl: slice) -> "QuantizedRows | None":
         """The rows `sl` (a step-1 slice) as a QuantizedRows (its scales copied contiguous
-        unless it is every row), or the plain x[sl] where the slice's padded rows would leave
-        the buffers (its GEMM then quantises it)."""
+        unless it is every row: a row chunk of the MLP), or None where the slice's padded rows
+        would leave the buffers (its GEMM then quantises x[sl] itself)."""
         M = self.x.shape[0]
         r0, r1, _ = sl.indices(M)
         if (r0, r1) == (0, M):
             return self
         end = r0 + -(-(r1 - r0) // ROW_ALIGN) * ROW_ALIGN
         if r0 % ROW_ALIGN or end > self.codes.shape[0]:
-            return self.x[sl]
+            return None
         return QuantizedRows(self.x[sl], self.codes[r0:end],
                              self.scale_t[:, r0:end].contiguous())
 

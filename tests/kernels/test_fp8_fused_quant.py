@@ -179,7 +179,8 @@ def test_fused_layers_bit_identical_with_fused_quant_on_and_off(family, chunk_ro
     (loss_on, grads_on), passes_on, handed_on = results["1"]
     (loss_off, grads_off), passes_off, handed_off = results["0"]
     assert torch.equal(loss_on, loss_off)
-    assert len(grads_on) == 7 * 2 * 2 and all(torch.equal(a, b) for a, b in zip(grads_on, grads_off))
+    assert len(grads_on) == 7 * 2 * 2  # A and B of 7 projections, 2 layers
+    assert all(torch.equal(a, b) for a, b in zip(grads_on, grads_off))
     assert handed_off == 0 and handed_on > 0 and passes_on == passes_off - handed_on
     # per layer q/k/v, gate/up and down in forward; recomputed in backward the first layer's
     # q/k/v and gate/up, the second's gate/up (chunked: their first chunks; the second chunks,

@@ -97,6 +97,23 @@ def test_row_slices_of_the_carrier():
                                rtol=0, atol=0)
 
 
+def test_triton_gemm_reads_the_carriers_codes(monkeypatch):
+    """Where cuBLAS refuses a GEMM (its Triton kernel runs instead), the kernel reading
+    prequantised codes takes the carrier's (padding rows masked off): the same result as
+    quantising x itself, bit for bit."""
+    monkeypatch.setattr(gemm, "_act_quant", "pass")
+    x = _x((M, 256), torch.float32, seed=3)
+    q = QuantizedRows.empty(x)
+    with kernels.backend("triton"):
+        quantize_rows(x, *q.targets)
+        passes = []
+        real = gemm.quantize_rows
+        monkeypatch.setattr(gemm, "quantize_rows", lambda *a: passes.append(1) or real(*a))
+        got = gemm.fp8_gemm(q, _weight())
+        assert not passes
+        assert torch.equal(got, gemm.fp8_gemm(x, _weight())) and passes == [1]
+
+
 def _weight():
     from leantune.kernels.fp8 import FP8Weight
 

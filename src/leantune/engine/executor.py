@@ -27,6 +27,11 @@ Gradients: LoRA A/B only (engine/projections.py), accumulated in the adapters' d
 masters in the Trainer); base weights and norms are frozen. Kept tensors are let go as soon as
 backward is done with them (gate/up after the MLP), not when the layer ends.
 
+On an FP8 base whose GEMMs run on cuBLAS, the norms before q/k/v and gate/up and the GLU
+before down write their output's e4m3 codes as they write it, in forward and in recompute
+(`_normed`, `_down_input`; ProjectionGroup.quantized_input), so those GEMMs run no quantisation
+pass of their own (LEANTUNE_FP8_FUSED_QUANT=0: they do; the results are bit-identical).
+
 `CheckpointExecutor` is the autograd path's recompute (torch.utils.checkpoint around the
 layer's plain forward), for layers the fused path cannot take (`fused_unsupported`).
 """

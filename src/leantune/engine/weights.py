@@ -29,7 +29,10 @@ multiple of 128 (q/k/v and gate/up of the usual shapes), else each projection's 
 (lora/base_weight.FP8Base). The LoRA columns stay out of the FP8 codes: the LoRA term is the
 16-bit rank-r product beside the GEMM. Where dX's kernel reads the codes
 transposed (kernels/fp8_gemm.py), it transposes them into a pooled e4m3 scratch buffer per
-GEMM: one per weight shape, shared by every layer (no second resident copy).
+GEMM: one per weight shape, shared by every layer (no second resident copy). Where a forward
+GEMM runs on cuBLAS, which quantises its input by a pass of its own, `quantized_input` gives
+buffers for the input's codes instead, which the kernel producing the input (the norm, the
+GLU: engine/executor.py) writes as it writes the input (kernels/fp8_quant.QuantizedRows).
 """
 
 from __future__ import annotations

@@ -23,7 +23,10 @@ On Hopper the GEMMs run on cuBLAS instead where torch has its blockwise scaled m
 section "the cuBLAS path" below: the activation quantised by one Triton pass of
 kernels/fp8_quant.py into the layout cuBLAS reads, dX through the transposed codes); a probe per
 device decides, LEANTUNE_FP8_GEMM=auto|triton|cublas switches, and the Triton kernel runs
-wherever cuBLAS does not (few rows, odd shapes, other GPUs).
+wherever cuBLAS does not (few rows, odd shapes, other GPUs). A forward GEMM's input may come
+already quantised, as a kernels/fp8_quant.QuantizedRows written by the kernel that produced it
+(the fused layers' RMSNorm and GLU: takes_quantized says where; LEANTUNE_FP8_FUSED_QUANT=0
+switches it off): then no quantisation pass runs.
 
 Under TRITON_INTERPRET=1 (the tests) the interpreter runs the kernel on the CPU, e4m3 included;
 the cuBLAS path's glue is tested there with the scaled mm emulated (emulate_scaled_mm).

@@ -61,10 +61,10 @@ def quantize_rows_reference(x: torch.Tensor, codes: torch.Tensor | None = None,
 class QuantizedRows:
     """A GEMM input x [M, K] (16/32-bit) and its activation codes as the cuBLAS FP8 GEMM reads
     them: codes e4m3 [Mp, K] and scale_t fp32 [ceil(K / 128), Mp], both contiguous, Mp = M
-    rounded up to ROW_ALIGN; the rows past M zero codes with scale 1 (their products are
-    dropped). Made by `empty` before the kernel that produces x, which writes `targets`
-    (the first M rows) as it writes x; kernels/fp8_gemm.py's GEMMs then take it in place of
-    x and quantise nothing."""
+    rounded up to ROW_ALIGN; the rows past M zero codes with scale 1 (in a row slice, `rows`,
+    the next rows' codes: either way their products are dropped). Made by `empty` before the
+    kernel that produces x, which writes `targets` (the first M rows) as it writes x;
+    kernels/fp8_gemm.py's GEMMs then take it in place of x and quantise nothing."""
 
     def __init__(self, x: torch.Tensor, codes: torch.Tensor, scale_t: torch.Tensor):
         self.x, self.codes, self.scale_t = x, codes, scale_t

@@ -80,6 +80,15 @@ def test_glu_writes_the_codes_quantize_rows_would(inter, act, dtype, backend):
     _check_codes(q, h)
 
 
+def test_wrong_quant_buffers_are_one_clear_error():
+    x = torch.randn(M, 128)
+    q = QuantizedRows.empty(x)
+    with pytest.raises(ValueError, match=r"rms_norm_fwd: quant must be .*QuantizedRows.empty"):
+        rms_norm_fwd(x, torch.ones(128), 1e-6, quant=(q.codes, q.scale_t))  # padded rows
+    with pytest.raises(ValueError, match="glu_fwd: quant must be"):
+        glu_fwd(x, x, ACTS["silu"], quant=(q.targets[0], q.targets[1].t()))
+
+
 def test_row_slices_of_the_carrier():
     x = torch.randn(40, 256)
     q = QuantizedRows.empty(x)

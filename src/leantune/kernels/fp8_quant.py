@@ -102,6 +102,21 @@ class QuantizedRows:
                              self.scale_t[:, r0:end].contiguous())
 
 
+def check_targets(quant, rows: int, cols: int, who: str) -> None:
+    """The one-line ValueError where `quant` (codes, scale_t) is not what a kernel writing the
+    quantisation of a [rows, cols] output takes (QuantizedRows.targets' layout)."""
+    codes, scale_t = quant
+    kb = -(-cols // BLOCK)
+    if (codes.dtype != FP8_DTYPE or tuple(codes.shape) != (rows, cols)
+            or not codes.is_contiguous() or scale_t.dtype != torch.float32
+            or tuple(scale_t.shape) != (kb, rows) or (rows > 1 and scale_t.stride(1) != 1)):
+        raise ValueError(f"{who}: quant must be (codes e4m3 [{rows}, {cols}] contiguous, "
+                         f"scale_t fp32 [{kb}, {rows}] with unit column stride), got "
+                         f"{codes.dtype} {tuple(codes.shape)} and {scale_t.dtype} "
+                         f"{tuple(scale_t.shape)} strides {scale_t.stride()}: pass "
+                         "QuantizedRows.empty(out).targets")
+
+
 def plain(x: "torch.Tensor | QuantizedRows") -> torch.Tensor:
     """The 16-bit tensor of a GEMM input (x itself, or a QuantizedRows' x)."""
     return x.x if isinstance(x, QuantizedRows) else x
@@ -220,5 +235,5 @@ def transpose_codes_(src: torch.Tensor, dst: torch.Tensor | None = None) -> torc
     return dst
 
 
-__all__ = ["QuantizedRows", "ROW_ALIGN", "plain", "quantize_rows", "quantize_rows_reference",
+__all__ = ["QuantizedRows", "ROW_ALIGN", "check_targets", "plain", "quantize_rows", "quantize_rows_reference",
            "transpose_codes_", "transpose_codes_reference"]

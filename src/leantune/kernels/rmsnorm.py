@@ -237,6 +237,10 @@ def rms_norm_fwd(x2: torch.Tensor, weight: torch.Tensor, eps: float, offset: flo
     kernels/fp8_quant.quantize_rows(y) bit for bit (module docstring)."""
     n, H = x2.shape
     y = torch.empty_like(x2) if out is None else out
+    if quant is not None:
+        from .fp8_quant import check_targets
+
+        check_targets(quant, n, H, "rms_norm_fwd")
     if use_triton(x2):
         rstd = torch.empty(n, dtype=torch.float32, device=x2.device)
         _launch_fwd(x2, weight, y, rstd, float(eps), float(offset), quant)

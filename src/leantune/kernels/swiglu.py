@@ -256,6 +256,10 @@ def glu_fwd(gate: torch.Tensor, up: torch.Tensor, act: int,
     written with out's 1 x 128 block quantisation, equal to quantize_rows(out) bit for bit."""
     out = torch.empty_like(gate, memory_format=torch.contiguous_format) if out is None else out
     _check_rows(gate, up, out)
+    if quant is not None:
+        from .fp8_quant import check_targets
+
+        check_targets(quant, *out.shape, "glu_fwd")
     if use_triton(gate):
         n, cols = gate.shape
         if n and cols:

@@ -152,9 +152,15 @@ def _batch():
 
 
 def _loss_and_lora_grads(model, batch):
+    """(loss, LoRA gradients, every layer's output)."""
+    outs = []
+    hooks = [layer.register_forward_hook(lambda m, a, y: outs.append(y.detach().clone()))
+             for layer in model.layers]
     loss = model.loss_sum(batch) / batch.num_target_tokens
+    for h in hooks:
+        h.remove()
     params = [p for p in model.parameters() if p.requires_grad]
-    return loss.detach(), torch.autograd.grad(loss, params)
+    return loss.detach(), torch.autograd.grad(loss, params), outs
 
 
 @pytest.mark.parametrize("family,chunk_rows", [("llama", None), ("gelu", 11)])
@@ -202,9 +208,10 @@ def test_fused_layers_bit_identical_with_fused_quant_on_and_off(family, chunk_ro
             Engine(opts).attach(model, [LayerPlan(0), LayerPlan(1)])
             results[on] = (_loss_and_lora_grads(model, batch), len(passes), sum(handed))
             detach(model)
-    (loss_on, grads_on), passes_on, handed_on = results["1"]
-    (loss_off, grads_off), passes_off, handed_off = results["0"]
-    assert torch.equal(loss_on, loss_off)
+    (loss_on, grads_on, outs_on), passes_on, handed_on = results["1"]
+    (loss_off, grads_off, outs_off), passes_off, handed_off = results["0"]
+    assert torch.equal(loss_on, loss_off) and len(outs_on) == 2
+    assert all(torch.equal(a, b) for a, b in zip(outs_on, outs_off))
     assert len(grads_on) == 7 * 2 * 2  # A and B of 7 projections, 2 layers
     assert all(torch.equal(a, b) for a, b in zip(grads_on, grads_off))
     assert handed_off == 0 and handed_on > 0 and passes_on == passes_off - handed_on

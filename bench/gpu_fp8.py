@@ -22,12 +22,19 @@
     bf16 vs fp8 from one init, beside the bf16 noise floor (bf16 through the autograd layers
     against the fused ones): the issue's bar is a mean gap within 3x the floor.
 (d) Decoding (--parts decode): batch-1 greedy tok/s, bf16 vs the same model's FP8 weights.
+(e) Fused activation quantisation (--parts quant): ms of the RMSNorm (--tokens x 4096) and the
+    GLU (--tokens x 14336) forward writing their output's e4m3 codes as they write it (the
+    cuBLAS GEMM's input, kernels/fp8_quant.QuantizedRows) against the kernel alone and the
+    kernel followed by the quantize_rows pass (LEANTUNE_FP8_FUSED_QUANT=0); codes checked equal.
+    In (b), --fused-quant on off runs each fp8 policy both ways (LEANTUNE_FP8_FUSED_QUANT).
 
     python bench/gpu_fp8.py                 # both parts on the GPU (~3 min on an H200)
     python bench/gpu_fp8.py --parts gemm    # (a) only
     LEANTUNE_FP8_GEMM=triton python bench/gpu_fp8.py --parts step   # steps on the Triton GEMM
     python bench/gpu_fp8.py --parts loss    # (c): 100 steps at lr 2e-4, Llama-3.2-1B shape
     python bench/gpu_fp8.py --parts decode  # (d): batch-1 decoding, bf16 vs FP8 weights
+    python bench/gpu_fp8.py --parts quant step --bf16 --fp8 auto@17 --fused-quant on off
+                                            # (e), and the 8B step with fused quantisation on/off
     python bench/gpu_fp8.py --tiny          # the same code paths on the CPU in seconds: the
                                             # Triton kernel in the interpreter, the step emulated
 """
@@ -253,31 +260,39 @@ def step_part(args, device) -> list[dict]:
     cfg_model = None
     batch = None
     rows = []
-    for precision, policies in (("bf16", args.bf16), ("fp8", args.fp8)):
-        for policy in policies:
-            model = leantune_model(shape, device,
-                                   torch.bfloat16 if device.type == "cuda" else torch.float32)
-            cfg_model = model.config
-            batch = batch or random_batch(cfg_model.vocab_size, args.rows, args.seq)
-            tokens = batch.input_ids.numel()
-            row = dict(shape=shape, precision=precision, policy=policy, gemm=gemm_name(
-                precision, device))
-            try:
-                trainer, step = trainer_step(model, batch, policy, precision, args.steps, device)
-                reset_peak(device)
-                t = median(step_times(step, args.warmup, args.steps, device))
-                row.update(plan=trainer.activation_policy, tok_s=tokens / t, step_s=t,
-                           peak_gib=peak_gib(device),
-                           mfu=flops_per_token(cfg_model, batch.input_ids.shape[1]) * tokens
-                           / t / H200_BF16_FLOPS)
-                del trainer, step
-            except Exception as e:  # OOM or a budget no plan fits: record it and go on
-                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            record("fp8_step", **row)
-            rows.append(row)
-            detach(model)
-            del model
+    runs = [("bf16", p, None) for p in args.bf16] + [("fp8", p, fq) for p in args.fp8
+                                                      for fq in args.fused_quant]
+    switch = os.environ.get("LEANTUNE_FP8_FUSED_QUANT")
+    for precision, policy, fused_quant in runs:
+        if fused_quant is not None:  # (read at each GEMM: kernels/fp8_gemm.fused_quant)
+            os.environ["LEANTUNE_FP8_FUSED_QUANT"] = "1" if fused_quant == "on" else "0"
+        model = leantune_model(shape, device,
+                               torch.bfloat16 if device.type == "cuda" else torch.float32)
+        cfg_model = model.config
+        batch = batch or random_batch(cfg_model.vocab_size, args.rows, args.seq)
+        tokens = batch.input_ids.numel()
+        row = dict(shape=shape, precision=precision, policy=policy, gemm=gemm_name(
+            precision, device), fused_quant=fused_quant)
+        try:
+            trainer, step = trainer_step(model, batch, policy, precision, args.steps, device)
             reset_peak(device)
+            t = median(step_times(step, args.warmup, args.steps, device))
+            row.update(plan=trainer.activation_policy, tok_s=tokens / t, step_s=t,
+                       peak_gib=peak_gib(device),
+                       mfu=flops_per_token(cfg_model, batch.input_ids.shape[1]) * tokens
+                       / t / H200_BF16_FLOPS)
+            del trainer, step
+        except Exception as e:  # OOM or a budget no plan fits: record it and go on
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        record("fp8_step", **row)
+        rows.append(row)
+        detach(model)
+        del model
+        reset_peak(device)
+    if switch is None:
+        os.environ.pop("LEANTUNE_FP8_FUSED_QUANT", None)
+    else:
+        os.environ["LEANTUNE_FP8_FUSED_QUANT"] = switch
     best = {p: max((r.get("tok_s", 0) for r in rows if r["precision"] == p), default=0)
             for p in ("bf16", "fp8")}
     if best["bf16"] and best["fp8"]:
@@ -395,12 +410,54 @@ def decode_part(args, device) -> list[dict]:
     return out
 
 
+def quant_part(args, device) -> list[dict]:
+    """(e) The norm and the GLU forward (the kernels whose outputs the q/k/v, gate/up and down
+    GEMMs read) at --tokens rows: alone, followed by the quantize_rows pass (fused quantisation
+    off), and writing the codes themselves (on; the carrier allocated in the timing, as in the
+    layer); the fused codes and scales checked equal to quantize_rows'."""
+    from leantune.kernels.fp8_quant import QuantizedRows, quantize_rows
+    from leantune.kernels.rmsnorm import rms_norm_fwd
+    from leantune.kernels.swiglu import ACTS, glu_fwd
+
+    M = args.tokens
+    H, inter = (128, 384) if args.tiny else (4096, 14336)  # (Llama-3.1-8B)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.empty(M, H, device=device, dtype=dtype).normal_(0, 1, generator=g)
+    w = torch.empty(H, device=device, dtype=dtype).normal_(1, 0.1, generator=g)
+    gu = torch.empty(M, 2 * inter, device=device, dtype=dtype).normal_(0, 1, generator=g)
+    y, h = x.new_empty(M, H), x.new_empty(M, inter)
+
+    def norm(quant):
+        rms_norm_fwd(x, w, 1e-5, out=y, quant=quant)
+
+    def glu(quant):
+        glu_fwd(gu[:, :inter], gu[:, inter:], ACTS["silu"], out=h, quant=quant)
+
+    rows = []
+    with kernels.backend("triton"):
+        for name, run, out in (("rmsnorm", norm, y), ("glu", glu, h)):
+            row = dict(kernel=name, M=M, K=out.shape[1])
+            row.update(alone_ms=time_ms(lambda: run(None), device),
+                       then_quant_ms=time_ms(lambda: (run(None), quantize_rows(out)), device),
+                       fused_ms=time_ms(lambda: run(QuantizedRows.empty(out).targets), device))
+            q = QuantizedRows.empty(out)
+            run(q.targets)
+            codes, scale_t = quantize_rows(out)
+            row["codes_equal"] = (torch.equal(codes.view(torch.uint8), q.targets[0].view(
+                torch.uint8)) and torch.equal(scale_t, q.targets[1]))
+            row["saved_ms"] = row["then_quant_ms"] - row["fused_ms"]
+            record("fp8_fused_quant", **row)
+            rows.append(row)
+    return rows
+
+
 def _f(v, fmt="{:.4g}"):
     return "-" if v is None else fmt.format(v)
 
 
 def print_table(gemms: list[dict], steps: list[dict], losses: list[dict] = (),
-                decodes: list[dict] = ()) -> None:
+                decodes: list[dict] = (), quants: list[dict] = ()) -> None:
     if gemms:
         print("\nGEMM    M x N x K        TFLOP/s: bf16 fwd / dX | triton fp8 fwd / dX(T) / "
               "dX(direct) [fwd, quant in-kernel] | speedup | rel err bf16 / fp8 | kernel vs "
@@ -430,10 +487,19 @@ def print_table(gemms: list[dict], steps: list[dict], losses: list[dict] = (),
                   f"{r['cublas_vs_emulation']:.1e} "
                   f"{'ok' if r['cublas_vs_emulation'] < 1e-2 else 'FAIL'} | "
                   f"{r['quant_ms']:.3f} / {r['transpose_ms']:.3f}")
+    if quants:
+        print("\nquant  kernel   M x K          ms: alone | then quantize_rows | fused (codes "
+              "written) | saved | codes equal")
+        for r in quants:
+            print(f"       {r['kernel']:<8} {r['M']}x{r['K']:<10} {r['alone_ms']:8.3f} | "
+                  f"{r['then_quant_ms']:8.3f} | {r['fused_ms']:8.3f} | {r['saved_ms']:7.3f} | "
+                  f"{'yes' if r['codes_equal'] else 'NO'}")
     if steps:
-        print("\nstep  shape         precision  gemm      policy     tok/s     peak GiB   plan")
+        print("\nstep  shape         precision  gemm      policy     fused-q  tok/s     peak GiB   "
+              "plan")
         for r in steps:
-            head = f"      {r['shape']:<13} {r['precision']:<10} {r['gemm']:<9} {r['policy']:<10} "
+            head = (f"      {r['shape']:<13} {r['precision']:<10} {r['gemm']:<9} "
+                    f"{r['policy']:<10} {r.get('fused_quant') or '-':<7} ")
             print(head + (f"error: {r['error'][:80]}" if "error" in r else
                           f"{r['tok_s']:>8.0f}  {_f(r['peak_gib'], '{:.2f}'):>9}   "
                           f"{r['plan'][:60]}"))
@@ -451,7 +517,9 @@ def print_table(gemms: list[dict], steps: list[dict], losses: list[dict] = (),
 def main():
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--parts", nargs="+", default=["gemm", "step"],
-                    choices=["gemm", "step", "loss", "decode"])
+                    choices=["gemm", "step", "loss", "decode", "quant"])
+    ap.add_argument("--fused-quant", nargs="+", default=["on"], choices=["on", "off"],
+                    help="step: run each fp8 policy with LEANTUNE_FP8_FUSED_QUANT on / off")
     ap.add_argument("--new-tokens", type=int, default=256, help="decode: new tokens")
     ap.add_argument("--loss-shape", default="llama-3.2-1b", choices=sorted(SHAPES))
     ap.add_argument("--loss-steps", type=int, default=100)
@@ -480,7 +548,8 @@ def main():
     steps = step_part(args, device) if "step" in args.parts else []
     losses = loss_part(args, device) if "loss" in args.parts else []
     decodes = decode_part(args, device) if "decode" in args.parts else []
-    print_table(gemms, steps, losses, decodes)
+    quants = quant_part(args, device) if "quant" in args.parts else []
+    print_table(gemms, steps, losses, decodes, quants)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,11 @@ Gradients: LoRA A/B only (engine/projections.py), accumulated in the adapters' d
 masters in the Trainer); base weights and norms are frozen. Kept tensors are let go as soon as
 backward is done with them (gate/up after the MLP), not when the layer ends.
 
+On an FP8 base whose GEMMs run on cuBLAS, the norms before q/k/v and gate/up and the GLU
+before down write their output's e4m3 codes as they write it, in forward and in recompute
+(`_normed`, `_down_input`; ProjectionGroup.quantized_input), so those GEMMs run no quantisation
+pass of their own (LEANTUNE_FP8_FUSED_QUANT=0: they do; the results are bit-identical).
+
 `CheckpointExecutor` is the autograd path's recompute (torch.utils.checkpoint around the
 layer's plain forward), for layers the fused path cannot take (`fused_unsupported`).
 """
@@ -298,13 +303,18 @@ class _LayerRun:
         self.qkv = self.o = self.gu = self.down = None
 
     def _normed(self, norm, x2: torch.Tensor, group: ProjectionGroup,
-                xa: torch.Tensor | None = None):
+                xa: torch.Tensor | None = None, quantize: bool = False):
         """norm(x2) in a new input buffer of `group`, x A^T filled in (computed, or copied from
-        `xa` kept by the forward) -> (X, rstd)."""
+        `xa` kept by the forward) -> (X, rstd, xq). With `quantize` (X goes to the group's
+        GEMMs next), where those GEMMs would quantise X (the cuBLAS FP8 path), the norm
+        kernel writes X's e4m3 codes too: xq (ProjectionGroup.quantized_input, for project),
+        else None."""
         X = group.new_input(x2.shape[0], x2)
-        _, rstd = rms_norm_fwd(x2, norm.weight, norm.eps, norm.offset, out=X[:, :x2.shape[1]])
+        xq = group.quantized_input(X) if quantize else None
+        _, rstd = rms_norm_fwd(x2, norm.weight, norm.eps, norm.offset, out=X[:, :x2.shape[1]],
+                               quant=None if xq is None else xq.targets)
         group.fill_lora(X, xa)
-        return X, rstd
+        return X, rstd, xq
 
     def _split_qkv(self, qkv: torch.Tensor, shape):
         """[N, (Hq + 2 Hk) D] -> q [B, T, Hq, D], k, v [B, T, Hk, D] (views)."""
@@ -339,8 +349,9 @@ class _LayerRun:
         """norm1 -> q, k, v -> (q/k norm) -> RoPE -> attention.
         Returns X1, rstd1, qkv, (q4, k4, v4) as attention read them, out4, attention state."""
         at = self.layer.self_attn
-        X1, rstd1 = self._normed(self.layer.norm("attn_in"), x2, self.qkv)
-        qkv = self.qkv.project(X1)
+        X1, rstd1, xq1 = self._normed(self.layer.norm("attn_in"), x2, self.qkv, quantize=True)
+        qkv = self.qkv.project(X1, xq=xq1)
+        del xq1
         q4, k4, v4 = self._rotated(qkv, shape, in_place=True)
         out4, state = self.ex.attention.forward(q4, k4, v4, self.meta, at.window, at.scale,
                                                 for_backward, sinks=at.sinks,
@@ -361,13 +372,26 @@ class _LayerRun:
         _, rstd = rms_norm_fwd(y, norm.weight, norm.eps, norm.offset)
         return rms_norm_bwd(dy.contiguous(), y, norm.weight, rstd, norm.offset)
 
-    def _down_out(self, gu: torch.Tensor) -> torch.Tensor:
-        """The down projection's output [n, H] for gate | up `gu` (its input rebuilt)."""
+    def _down_input(self, gu: torch.Tensor):
+        """act(gate) * up for gate | up `gu` [n, 2 I] in a new input buffer of the down group,
+        x A^T filled in -> (Hb, xq): xq as _normed's (the GLU kernel writes the codes)."""
         inter = self.layer.mlp.up_proj.out_features
         Hb = self.down.new_input(gu.shape[0], gu)
-        glu_fwd(gu[:, :inter], gu[:, inter:], self.act, out=Hb[:, :inter])
+        xq = self.down.quantized_input(Hb)
+        glu_fwd(gu[:, :inter], gu[:, inter:], self.act, out=Hb[:, :inter],
+                quant=None if xq is None else xq.targets)
         self.down.fill_lora(Hb)
-        return self.down.project(Hb)
+        return Hb, xq
+
+    def _down_out(self, gu: torch.Tensor) -> torch.Tensor:
+        """The down projection's output [n, H] for gate | up `gu` (its input rebuilt)."""
+        Hb, xq = self._down_input(gu)
+        return self.down.project(Hb, xq=xq)
+
+    @staticmethod
+    def _rows(xq, rows: slice):
+        """A row chunk of _normed's xq (None where it has none)."""
+        return None if xq is None else xq.rows(rows)
 
     def _chunks(self, n: int, whole: bool, itemsize: int = 2, forward: bool = False):
         """Row slices for the MLP: equal parts, multiples of 256 rows (whole GEMM tiles)."""
@@ -423,26 +447,24 @@ class _LayerRun:
         chunks. Returns the `Kept` fields of the MLP the plan keeps (x A^T of gate/up and down
         from ATTENTION on, gate | up at ALL)."""
         N = h_mid.shape[0]
-        inter = self.layer.mlp.up_proj.out_features
         keep = self.plan.keep
-        X2, _ = self._normed(self.layer.norm("mlp_in"), h_mid, self.gu)
+        X2, _, xq2 = self._normed(self.layer.norm("mlp_in"), h_mid, self.gu, quantize=True)
         xa_down = (h_mid.new_empty(N, self.down.R)
                    if keeps_state and self.down.has_lora_cols else None)
         out_norm = self.layer.norm("mlp_out")  # (Gemma: the MLP's output normed)
         for rows in self._chunks(N, keep >= Keep.ALL, h_mid.element_size(), forward=True):
-            gu = self.gu.project(X2[rows])  # [n, 2 I]: gate | up
-            Hb = self.down.new_input(gu.shape[0], gu)
-            glu_fwd(gu[:, :inter], gu[:, inter:], self.act, out=Hb[:, :inter])
-            self.down.fill_lora(Hb)
+            gu = self.gu.project(X2[rows], xq=self._rows(xq2, rows))  # [n, 2 I]: gate | up
+            Hb, xq = self._down_input(gu)
             if xa_down is not None:
                 xa_down[rows] = self.down.lora_cols(Hb)
             if out_norm is None:
-                self.down.project(Hb, resid=h_mid[rows], out=out[rows])
+                self.down.project(Hb, resid=h_mid[rows], out=out[rows], xq=xq)
             else:  # h_mid + mlp_out(down(...)) (Gemma)
-                rms_norm_fwd(self.down.project(Hb), out_norm.weight, out_norm.eps,
+                rms_norm_fwd(self.down.project(Hb, xq=xq), out_norm.weight, out_norm.eps,
                              out_norm.offset, out=out[rows])
                 out[rows] += h_mid[rows]
-            del Hb
+            del Hb, xq
+        del xq2
         if not self.in_graph:
             return {}
         kept = {}
@@ -474,7 +496,7 @@ class _LayerRun:
             X1, rstd1, qkv, (q4, k4, v4), out4, state = self._attention(x2, self.shape, True)
             h_mid = self._o_residual(out4.reshape(N, -1), x2)
         else:
-            X1, rstd1 = self._normed(self.layer.norm("attn_in"), x2, self.qkv, kept.xa_qkv)
+            X1, rstd1, _ = self._normed(self.layer.norm("attn_in"), x2, self.qkv, kept.xa_qkv)
             qkv, h_mid, state = kept.qkv, kept.h_mid, kept.attn_state
             kept.xa_qkv = kept.qkv = kept.h_mid = kept.attn_state = None
             q4, k4, v4 = self._rotated(qkv, self.shape, in_place=False)
@@ -530,12 +552,14 @@ class _LayerRun:
         inter = self.layer.mlp.up_proj.out_features
         keep = self.plan.keep
         kept_gu, kept.gu = kept.gu, None
-        X2, rstd2 = self._normed(self.layer.norm("mlp_in"), h_mid, self.gu, kept.xa_gu)
+        X2, rstd2, xq2 = self._normed(self.layer.norm("mlp_in"), h_mid, self.gu, kept.xa_gu,
+                                      quantize=keep < Keep.ALL)  # (ALL: gate | up kept)
         xa_down, kept.xa_gu, kept.xa_down = kept.xa_down, None, None
         # d norm2(h_mid), in a buffer as wide as the gate/up group's input-gradient GEMM writes
         dxn2 = h_mid.new_empty(N, self.gu.grad_width())
         for rows in self._chunks(N, keep >= Keep.ALL, dout.element_size()):
-            gu = kept_gu if keep >= Keep.ALL else self.gu.project(X2[rows])
+            gu = (kept_gu if keep >= Keep.ALL
+                  else self.gu.project(X2[rows], xq=self._rows(xq2, rows)))
             kept_gu = None
             ddown = dout[rows]  # the down projection's output gradient
             if self.layer.norm("mlp_out") is not None:  # through the MLP-out norm
@@ -549,6 +573,7 @@ class _LayerRun:
             del da, ga
             self.gu.backward(X2[rows], gu, grads, out=dxn2[rows])
             del gu
+        del xq2
         dxn2 = dxn2[:, :H]
         post = self.layer.norm("mlp_in")
         return rms_norm_bwd(dxn2, h_mid, post.weight, rstd2, post.offset, residual=dout)

@@ -94,14 +94,22 @@ class ProjectionGroup:
         else:
             torch.mm(X[:, :self.in_f], self.a.t(), out=cols)
 
+    def quantized_input(self, X: torch.Tensor):
+        """Buffers for the e4m3 codes of input X (new_input's buffer) where this group's
+        forward GEMMs would quantise X themselves (the cuBLAS FP8 path: WeightSource.
+        quantized_input), for the kernel that writes X to fill as it does (then pass it to
+        project as `xq`); else None."""
+        return self.source.quantized_input(X[:, :self.in_f])
+
     def project(self, X: torch.Tensor, resid: torch.Tensor | None = None,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, xq=None) -> torch.Tensor:
         """X: new_input's buffer after fill_lora (or [n, in] if not packed) -> y [n, sum out]
-        = x W_cat^T + bias + LoRA; with `resid` (one projection): resid + y, into `out`."""
+        = x W_cat^T + bias + LoRA; with `resid` (one projection): resid + y, into `out`.
+        xq: X's quantized_input, filled (the base GEMMs read its codes), or None."""
         if self.packed:
             if X.shape[1] != self.width:
                 raise ValueError("packed group: pass new_input's buffer (after fill_lora)")
-            y = self.source.mm_packed(X, out=out, resid=resid)
+            y = self.source.mm_packed(X if xq is None else xq, out=out, resid=resid)
             if self.bias_cat is not None:
                 y.add_(self.bias_cat)
             if self.a is not None and not self.lora_in_gemm:
@@ -112,8 +120,9 @@ class ProjectionGroup:
             return y
         x = X[:, :self.in_f]
         xa = x @ self.a.t() if self.a is not None else None
+        xin = x if xq is None else xq
         if len(self.mods) == 1:
-            y = self.source.mm(0, x, out=out, resid=resid)
+            y = self.source.mm(0, xin, out=out, resid=resid)
             ys = [y]
         else:
             if resid is not None:
@@ -122,7 +131,7 @@ class ProjectionGroup:
                                                         dtype=x.dtype, device=x.device)
             ys = self.split(y)
             for i, yi in enumerate(ys):
-                self.source.mm(i, x, out=yi)
+                self.source.mm(i, xin, out=yi)
         for yi, m, bias, b, cols in zip(ys, self.mods, self.bias, self.b, self.cols):
             if bias is not None:
                 yi.add_(bias)

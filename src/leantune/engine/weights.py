@@ -29,7 +29,10 @@ multiple of 128 (q/k/v and gate/up of the usual shapes), else each projection's 
 (lora/base_weight.FP8Base). The LoRA columns stay out of the FP8 codes: the LoRA term is the
 16-bit rank-r product beside the GEMM. Where dX's kernel reads the codes
 transposed (kernels/fp8_gemm.py), it transposes them into a pooled e4m3 scratch buffer per
-GEMM: one per weight shape, shared by every layer (no second resident copy).
+GEMM: one per weight shape, shared by every layer (no second resident copy). Where a forward
+GEMM runs on cuBLAS, which quantises its input by a pass of its own, `quantized_input` gives
+buffers for the input's codes instead, which the kernel producing the input (the norm, the
+GLU: engine/executor.py) writes as it writes the input (kernels/fp8_quant.QuantizedRows).
 """
 
 from __future__ import annotations
@@ -39,8 +42,9 @@ import functools
 import torch
 
 from ..kernels.fp8 import BLOCK as FP8_BLOCK
-from ..kernels.fp8 import FP8_DTYPE, FP8View, fp8_mm
+from ..kernels.fp8 import FP8_DTYPE, FP8View, fp8_mm, takes_quantized
 from ..kernels.fp8_gemm import transposes
+from ..kernels.fp8_quant import QuantizedRows, plain
 from ..lora.base_weight import DenseBase
 from .options import EngineOptions
 
@@ -92,6 +96,12 @@ class WeightSource:
 
     def dense(self, i: int) -> torch.Tensor:
         return self.mods[i].base_weight()
+
+    def quantized_input(self, x: torch.Tensor) -> QuantizedRows | None:
+        """Buffers for the codes of the group's input x [n, in] where its forward GEMMs would
+        quantise x themselves (the cuBLAS FP8 path), for the kernel producing x to write;
+        None here (16-bit GEMMs read x as it is)."""
+        return None
 
     def mm(self, i: int, x: torch.Tensor, out: torch.Tensor | None = None,
            resid: torch.Tensor | None = None) -> torch.Tensor:
@@ -185,7 +195,15 @@ class FP8Source(WeightSource):
     def get(self):
         raise RuntimeError("an FP8 group runs its own GEMMs (mm_packed / mm_t_packed)")
 
+    def quantized_input(self, x):
+        """(WeightSource.quantized_input) where the packed GEMM, or an FP8 member's own,
+        takes x pre-quantised (kernels/fp8.takes_quantized)."""
+        ws = ([self.packed] if self.packed is not None
+              else [m.fp8 for m in self.mods if m.fp8 is not None])
+        return QuantizedRows.empty(x) if any(takes_quantized(x, w) for w in ws) else None
+
     def mm_packed(self, X, out=None, resid=None):
+        """(X: the input, or its QuantizedRows)"""
         return fp8_mm(X, self.packed, out=out, resid=resid)
 
     def mm_t_packed(self, dy, in_f, out=None):
@@ -196,7 +214,9 @@ class FP8Source(WeightSource):
         raise RuntimeError("an FP8 base runs its own GEMMs (mm / mm_t), not a dense weight's")
 
     def mm(self, i, x, out=None, resid=None):
-        return self.mods[i].base.mm(x, out=out, resid=resid)
+        """(x: the input, or its QuantizedRows, which only FP8 bases read)"""
+        base = self.mods[i].base
+        return base.mm(x if base.kind == "fp8" else plain(x), out=out, resid=resid)
 
     def mm_t(self, i, dy, out=None, accumulate=False):
         base = self.mods[i].base

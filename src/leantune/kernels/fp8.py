@@ -217,9 +217,13 @@ def fp8_mm(x: torch.Tensor, w: FP8Weight, transpose: bool = False,
     into `out` when given: the Triton kernel (kernels/fp8_gemm.py: activation quantised in the
     GEMM; `scratch`, an e4m3 [in, out] buffer for dX's transposed codes) where the kernels run,
     else the emulation. A forward of few rows (decoding) takes the weight-only GEMV instead
-    (kernels/fp8_gemv.py: x unquantised; LEANTUNE_FP8_GEMV=0 switches it off)."""
+    (kernels/fp8_gemv.py: x unquantised; LEANTUNE_FP8_GEMV=0 switches it off). x may be a
+    kernels/fp8_quant.QuantizedRows (x with its codes, made by the kernel that wrote x): the
+    GEMMs that read codes take them; the others read its x."""
     from .dispatch import use_triton
+    from .fp8_quant import plain
 
+    xq, x = x, plain(x)
     if use_triton(x) and not emulating():
         from .fp8_gemv import fp8_gemv, gemv_applies
 
@@ -227,12 +231,28 @@ def fp8_mm(x: torch.Tensor, w: FP8Weight, transpose: bool = False,
             return fp8_gemv(x, w, out=out, resid=resid)
         from .fp8_gemm import fp8_gemm
 
-        return fp8_gemm(x, w, transpose=transpose, out=out, resid=resid, scratch=scratch)
+        return fp8_gemm(xq, w, transpose=transpose, out=out, resid=resid, scratch=scratch)
     y = fp8_mm_reference(x, w, transpose)
     if resid is not None:
         y = y + resid
     return y if out is None else out.copy_(y)
 
 
+def takes_quantized(x: torch.Tensor, w) -> bool:
+    """Whether fp8_mm(x, w)'s forward would quantise x by a pass of its own that the kernel
+    producing x could do instead (it then passes a kernels/fp8_quant.QuantizedRows): the
+    Triton kernels run, not emulated, not the GEMV, and the GEMM on the cuBLAS path with
+    fused quantisation on (kernels/fp8_gemm.takes_quantized; LEANTUNE_FP8_FUSED_QUANT)."""
+    from .dispatch import use_triton
+
+    if not use_triton(x) or emulating():
+        return False
+    from .fp8_gemm import takes_quantized as cublas_takes
+    from .fp8_gemv import gemv_applies
+
+    return not gemv_applies(x) and cublas_takes(x, w.shape[0], w.shape[1])
+
+
 __all__ = ["BLOCK", "FP8View", "FP8Weight", "FP8_DTYPE", "FP8_MAX", "block_dequantize", "block_quantize", "block_scales",
-           "emulating", "fake_quantize_rows", "fp8_mm", "fp8_mm_reference", "fp8_unsupported"]
+           "emulating", "fake_quantize_rows", "fp8_mm", "fp8_mm_reference", "fp8_unsupported",
+           "takes_quantized"]

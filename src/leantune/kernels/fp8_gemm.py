@@ -23,7 +23,10 @@ On Hopper the GEMMs run on cuBLAS instead where torch has its blockwise scaled m
 section "the cuBLAS path" below: the activation quantised by one Triton pass of
 kernels/fp8_quant.py into the layout cuBLAS reads, dX through the transposed codes); a probe per
 device decides, LEANTUNE_FP8_GEMM=auto|triton|cublas switches, and the Triton kernel runs
-wherever cuBLAS does not (few rows, odd shapes, other GPUs).
+wherever cuBLAS does not (few rows, odd shapes, other GPUs). A forward GEMM's input may come
+already quantised, as a kernels/fp8_quant.QuantizedRows written by the kernel that produced it
+(the fused layers' RMSNorm and GLU: takes_quantized says where; LEANTUNE_FP8_FUSED_QUANT=0
+switches it off): then no quantisation pass runs.
 
 Under TRITON_INTERPRET=1 (the tests) the interpreter runs the kernel on the CPU, e4m3 included;
 the cuBLAS path's glue is tested there with the scaled mm emulated (emulate_scaled_mm).
@@ -38,8 +41,8 @@ import os
 import torch
 
 from .fp8 import BLOCK, FP8_DTYPE, FP8Weight
-from .fp8_quant import (quantize_rows, quantize_rows_reference, transpose_codes_,
-                        transpose_codes_reference)
+from .fp8_quant import (ROW_ALIGN, QuantizedRows, plain, quantize_rows, quantize_rows_reference,
+                        transpose_codes_, transpose_codes_reference)
 
 try:
     import triton
@@ -206,7 +209,9 @@ def fp8_gemm(x: torch.Tensor, w: FP8Weight, transpose: bool = False,
     """resid + x W^T (x [M, in]; transpose=False) or resid + x W (x [M, out]; transpose=True)
     in x.dtype, into `out` when given (any strides); `scratch`: a [in, out] e4m3 buffer for the
     transposed codes (dx_layout "transpose", and the cuBLAS path). On CUDA the cuBLAS path runs
-    where uses_cublas says so, else the Triton kernel."""
+    where uses_cublas says so, else the Triton kernel. x may be a QuantizedRows (its codes
+    read where the GEMM reads codes: no quantisation pass)."""
+    xq, x = x, plain(x)
     out_f, in_f = w.shape
     K, N = (out_f, in_f) if transpose else (in_f, out_f)
     if x.dim() != 2 or x.shape[1] != K:
@@ -214,7 +219,7 @@ def fp8_gemm(x: torch.Tensor, w: FP8Weight, transpose: bool = False,
                          f"({'dX' if transpose else 'forward'}: K = {K})")
     M = x.shape[0]
     if x.is_cuda:
-        y = try_cublas(x, w, transpose, out, resid, scratch)
+        y = try_cublas(xq, w, transpose, out, resid, scratch)
         if y is not None:
             return y
     out = out if out is not None else torch.empty(M, N, dtype=x.dtype, device=x.device)
@@ -233,7 +238,12 @@ def fp8_gemm(x: torch.Tensor, w: FP8Weight, transpose: bool = False,
         strides_s = (s.stride(0), s.stride(1))
     r = resid if resid is not None else out
     codes = prequantizes(M)
-    a, sa = quantize_rows(x) if codes else (x, x)
+    if not codes:
+        a, sa = x, x
+    elif isinstance(xq, QuantizedRows):  # (rows past M are masked off: padding unread)
+        a, sa = xq.codes, xq.scale_t
+    else:
+        a, sa = quantize_rows(x)
     args = (a, sa, b, s, out, r, M, N, K, triton.next_power_of_2(M), a.stride(0), a.stride(1),
             sa.stride(0), *strides_b, *strides_s,
             out.stride(0), out.stride(1), r.stride(0), r.stride(1))
@@ -505,40 +515,45 @@ def try_cublas(x, w, transpose, out, resid, scratch) -> torch.Tensor | None:
     None, and its (N, K, dtype) goes to _refused: later ones go to Triton directly."""
     out_f, in_f = w.shape
     K, N = (out_f, in_f) if transpose else (in_f, out_f)
-    if not uses_cublas(x, x.shape[0], N, K):
+    x16 = plain(x)
+    if not uses_cublas(x16, x16.shape[0], N, K):
         return None
     try:
         return cublas_gemm(x, w, transpose=transpose, out=out, resid=resid, scratch=scratch)
     except RuntimeError as e:
         if _gemm_path == "cublas":
             raise
-        _refused[(N, K, x.dtype)] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        _refused[(N, K, x16.dtype)] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         return None
 
 
-ROW_ALIGN = 16  # A's rows padded to a multiple (zero codes, scale 1): scale_a's strides are
-                # (1, rows), and cuBLAS's scale tensors are read in aligned vectors
-
-
-def quantize_padded(x: torch.Tensor, triton_kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_padded(x: torch.Tensor | QuantizedRows,
+                    triton_kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (codes [Mp, K], scale_t [K / 128, Mp]), Mp = M rounded up to ROW_ALIGN, the
     rows past M zero codes with scale 1 (their products are dropped): kernels/fp8_quant's
-    quantize_rows (triton_kernel) or its reference."""
+    quantize_rows (triton_kernel) or its reference; a QuantizedRows' own (no pass at all)."""
+    if isinstance(x, QuantizedRows):
+        return x.codes, x.scale_t
     M, K = x.shape
-    mp = -(-M // ROW_ALIGN) * ROW_ALIGN
-    if triton_kernel and mp == M:
+    if triton_kernel and M % ROW_ALIGN == 0:
         return quantize_rows(x)
-    codes = torch.empty(mp, K, dtype=FP8_DTYPE, device=x.device)
-    scale_t = torch.empty(-(-K // BLOCK), mp, dtype=torch.float32, device=x.device)
-    if triton_kernel:
-        quantize_rows(x, codes[:M], scale_t[:, :M])
-    else:
-        c, st = quantize_rows_reference(x)
-        codes[:M].view(torch.uint8).copy_(c.view(torch.uint8))
-        scale_t[:, :M] = st
-    codes[M:].view(torch.uint8).zero_()
-    scale_t[:, M:] = 1
-    return codes, scale_t
+    q = QuantizedRows.empty(x)
+    (quantize_rows if triton_kernel else quantize_rows_reference)(x, *q.targets)
+    return q.codes, q.scale_t
+
+
+def fused_quant() -> bool:
+    """Whether the kernels that produce a cuBLAS FP8 GEMM's input quantise it as they write it
+    (kernels/fp8_quant.QuantizedRows; the engine asks takes_quantized): on unless
+    LEANTUNE_FP8_FUSED_QUANT=0 (then the GEMM's own quantize_rows pass, as before)."""
+    return os.environ.get("LEANTUNE_FP8_FUSED_QUANT", "1") != "0"
+
+
+def takes_quantized(x: torch.Tensor, N: int, K: int) -> bool:
+    """Whether the forward GEMM of x [M, K] to N columns should be handed x pre-quantised (a
+    QuantizedRows): fused quantisation on and the GEMM on the cuBLAS path (uses_cublas),
+    where it would otherwise run quantize_rows over x."""
+    return fused_quant() and x.shape[1] == K and uses_cublas(x, x.shape[0], N, K)
 
 
 def cublas_gemm(x: torch.Tensor, w: FP8Weight, transpose: bool = False,
@@ -548,15 +563,16 @@ def cublas_gemm(x: torch.Tensor, w: FP8Weight, transpose: bool = False,
     quantize_padded (the Triton kernel where the kernels run, else its reference), dX's codes
     transposed into `scratch`, resid added after. scaled_mm: the entry point (default: the
     probed one for this device); the CPU tests pass emulate_scaled_mm, which takes the same
-    tensors."""
+    tensors. x may be a QuantizedRows: its codes are used as they are."""
     from .dispatch import use_triton
 
+    xq, x = x, plain(x)
     out_f, in_f = w.shape
     K, N = (out_f, in_f) if transpose else (in_f, out_f)
     if x.dim() != 2 or x.shape[1] != K:
         raise ValueError(f"cublas_gemm: input of shape {tuple(x.shape)} for a weight {w.shape} "
                          f"({'dX' if transpose else 'forward'}: K = {K})")
-    codes, scale_t = quantize_padded(x, use_triton(x))
+    codes, scale_t = quantize_padded(xq, use_triton(x))
     if transpose:  # B^T = W^T [in, out]: the codes transposed, their scales [in/128, out/128]
         bt, sb = transpose_codes(w, scratch), w.scale.t()
     else:  # B^T = W [out, in] as stored
@@ -584,7 +600,7 @@ def cublas_gemm(x: torch.Tensor, w: FP8Weight, transpose: bool = False,
 
 __all__ = ["ACT_QUANTS", "DX_LAYOUTS", "GEMM_PATHS", "SCALED_MM_APIS",
            "check_blockwise_operands", "cublas_gemm", "cublas_reason", "emulate_scaled_mm",
-           "fp8_gemm", "gemm_path", "prequantizes", "probe_cublas", "probe_entry",
+           "fp8_gemm", "fused_quant", "gemm_path", "prequantizes", "probe_cublas", "probe_entry",
            "quantize_padded", "set_act_quant", "set_dx_layout", "set_gemm_path",
-           "transpose_codes", "try_cublas", "uses_cublas", "using_gemm_path",
+           "takes_quantized", "transpose_codes", "try_cublas", "uses_cublas", "using_gemm_path",
            "weight_scales_for_cublas"]

@@ -16,6 +16,13 @@ transpose_codes_(src, dst): e4m3 [R, C] -> dst [C, R] through shared-memory tile
 transposed view reads one byte per 32-byte sector). dX = dY W reads W's codes K-major this way
 (cuBLAS's Hopper FP8 GEMM takes row-major A and column-major B only).
 
+QuantizedRows: a GEMM input x [M, K] together with its codes and scale_t, padded to
+ROW_ALIGN rows as the cuBLAS GEMM reads them (kernels/fp8_gemm.py), so that a kernel that
+produces x (RMSNorm, the GLU: kernels/rmsnorm.py, kernels/swiglu.py) writes them as it writes
+x and the GEMM does not quantise x again. Those kernels quantise with `quantize_block`, the
+block quantiser of quantize_rows' kernel, from the rounded 16-bit values they store: their
+codes and scales equal quantize_rows(x) bit for bit.
+
 Under TRITON_INTERPRET=1 (the tests) both run on the CPU; e4m3 goes through uint8 views.
 """
 
@@ -32,10 +39,87 @@ except ImportError:  # the package works without Triton (the references only)
     triton = None
 
 
-def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The plain-PyTorch quantize_rows: (codes [M, K] e4m3, scale_t [ceil(K / 128), M] fp32)."""
-    codes, scale = block_quantize(x, 1)
-    return codes, scale.t().contiguous()
+ROW_ALIGN = 16  # A's rows padded to a multiple (zero codes, scale 1): scale_a's strides are
+                # (1, rows), and cuBLAS's scale tensors are read in aligned vectors
+
+
+def quantize_rows_reference(x: torch.Tensor, codes: torch.Tensor | None = None,
+                            scale_t: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain-PyTorch quantize_rows: (codes [M, K] e4m3, scale_t [ceil(K / 128), M] fp32),
+    copied into `codes` / `scale_t` when given (as quantize_rows)."""
+    c, scale = block_quantize(x, 1)
+    if codes is None and scale_t is None:
+        return c, scale.t().contiguous()
+    codes = c if codes is None else codes
+    if codes is not c:
+        codes.view(torch.uint8).copy_(c.view(torch.uint8))
+    scale_t = scale.t().contiguous() if scale_t is None else scale_t.copy_(scale.t())
+    return codes, scale_t
+
+
+class QuantizedRows:
+    """A GEMM input x [M, K] (16/32-bit) and its activation codes as the cuBLAS FP8 GEMM reads
+    them: codes e4m3 [Mp, K] and scale_t fp32 [ceil(K / 128), Mp], both contiguous, Mp = M
+    rounded up to ROW_ALIGN; the rows past M zero codes with scale 1 (in a row slice, `rows`,
+    the next rows' codes: either way their products are dropped). Made by `empty` before the
+    kernel that produces x, which writes `targets` (the first M rows) as it writes x;
+    kernels/fp8_gemm.py's GEMMs then take it in place of x and quantise nothing."""
+
+    def __init__(self, x: torch.Tensor, codes: torch.Tensor, scale_t: torch.Tensor):
+        self.x, self.codes, self.scale_t = x, codes, scale_t
+
+    @classmethod
+    def empty(cls, x: torch.Tensor) -> "QuantizedRows":
+        """Padded buffers for x [M, K] (the padding rows set, the first M to be written)."""
+        M, K = x.shape
+        mp = -(-M // ROW_ALIGN) * ROW_ALIGN
+        codes = torch.empty(mp, K, dtype=FP8_DTYPE, device=x.device)
+        scale_t = torch.empty(-(-K // BLOCK), mp, dtype=torch.float32, device=x.device)
+        if mp > M:
+            codes[M:].view(torch.uint8).zero_()
+            scale_t[:, M:] = 1
+        return cls(x, codes, scale_t)
+
+    @property
+    def targets(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes [M, K], scale_t [K / 128, M] with row stride Mp): what the producer writes."""
+        M = self.x.shape[0]
+        return self.codes[:M], self.scale_t[:, :M]
+
+    def rows(self, sl: slice) -> "QuantizedRows | None":
+        """The rows `sl` (a step-1 slice) as a QuantizedRows (its scales copied contiguous
+        unless it is every row: a row chunk of the MLP), or None where the slice's padded rows
+        would leave the buffers (its GEMM then quantises x[sl] itself)."""
+        M = self.x.shape[0]
+        r0, r1, _ = sl.indices(M)
+        if (r0, r1) == (0, M):
+            return self
+        end = r0 + -(-(r1 - r0) // ROW_ALIGN) * ROW_ALIGN
+        if r0 % ROW_ALIGN or end > self.codes.shape[0]:
+            return None
+        return QuantizedRows(self.x[sl], self.codes[r0:end],
+                             self.scale_t[:, r0:end].contiguous())
+
+
+def check_targets(quant, rows: int, cols: int, who: str) -> None:
+    """The one-line ValueError where `quant` (codes, scale_t) is not what a kernel writing the
+    quantisation of a [rows, cols] output takes (QuantizedRows.targets' layout)."""
+    codes, scale_t = quant
+    kb = -(-cols // BLOCK)
+    if (codes.dtype != FP8_DTYPE or tuple(codes.shape) != (rows, cols)
+            or not codes.is_contiguous() or scale_t.dtype != torch.float32
+            or tuple(scale_t.shape) != (kb, rows) or (rows > 1 and scale_t.stride(1) != 1)):
+        raise ValueError(f"{who}: quant must be (codes e4m3 [{rows}, {cols}] contiguous, "
+                         f"scale_t fp32 [{kb}, {rows}] with unit column stride), got "
+                         f"{codes.dtype} {tuple(codes.shape)} and {scale_t.dtype} "
+                         f"{tuple(scale_t.shape)} strides {scale_t.stride()}: pass "
+                         "QuantizedRows.empty(out).targets")
+
+
+def plain(x: "torch.Tensor | QuantizedRows") -> torch.Tensor:
+    """The 16-bit tensor of a GEMM input (x itself, or a QuantizedRows' x)."""
+    return x.x if isinstance(x, QuantizedRows) else x
 
 
 def transpose_codes_reference(src: torch.Tensor, dst: torch.Tensor | None = None) -> torch.Tensor:
@@ -59,8 +143,24 @@ if triton is not None:
         normal = (((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) << 20).to(tl.float32,
                                                                           bitcast=True)
         sub = (tl.abs(v) + 24576.0) - 24576.0
-        sub = tl.where(v < 0, -sub, sub)
+        sub = tl.where((bits >> 31) != 0, -sub, sub)  # (the sign bit: -0 stays -0, as torch)
         return tl.where(tl.abs(v) < 0.015625, sub, normal)
+
+    @triton.jit
+    def quantize_block(x, AXIS: tl.constexpr, ROUND_FP32: tl.constexpr):
+        """x fp32 holding 1 x 128 blocks along axis AXIS (the last) -> (codes: e4m3 bits as
+        uint8, x's shape; scales fp32: x's shape without AXIS): s = amax / 448 (1 for an
+        all-zero block), q = round_e4m3(clamp(x * (448 * (1 / amax)), +-448)), the fp32
+        operations of fp8.block_quantize (torch evaluates its 448 / amax as a reciprocal, then
+        a product), so the codes match it bit for bit. ROUND_FP32: round in fp32 before the
+        cast (the interpreter: round_to_e4m3)."""
+        amax = tl.max(tl.abs(x), axis=AXIS)
+        s = tl.where(amax > 0, amax / 448.0, 1.0)
+        inv = tl.where(amax > 0, (1.0 / tl.where(amax > 0, amax, 1.0)) * 448.0, 1.0)
+        q = tl.clamp(x * tl.expand_dims(inv, AXIS), -448.0, 448.0)
+        if ROUND_FP32:
+            q = round_to_e4m3(q)
+        return q.to(tl.float8e4nv).to(tl.uint8, bitcast=True), s
 
     @triton.jit
     def _quantize_rows_kernel(X, Q, ST, M, K, stride_xm, stride_xk, stride_s,
@@ -77,15 +177,7 @@ if triton is not None:
         mask = mask_m[:, None] & (rk < K)[None, :]
         x = tl.load(X + rm[:, None] * stride_xm + rk[None, :] * stride_xk, mask=mask,
                     other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(x), axis=1)
-        s = tl.where(amax > 0, amax / 448.0, 1.0)
-        # 448 * (1 / amax), as torch evaluates fp8.block_scales' 448 / amax (a reciprocal, then
-        # a product): the codes then match the reference bit for bit
-        inv = tl.where(amax > 0, (1.0 / tl.where(amax > 0, amax, 1.0)) * 448.0, 1.0)
-        q = tl.clamp(x * inv[:, None], -448.0, 448.0)
-        if ROUND_FP32:
-            q = round_to_e4m3(q)
-        q = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        q, s = quantize_block(x, 1, ROUND_FP32)
         tl.store(Q + rm[:, None] * K + rk[None, :], q, mask=mask)
         tl.store(ST + kb * stride_s + rm, s, mask=mask_m)
 
@@ -143,5 +235,5 @@ def transpose_codes_(src: torch.Tensor, dst: torch.Tensor | None = None) -> torc
     return dst
 
 
-__all__ = ["quantize_rows", "quantize_rows_reference", "transpose_codes_",
-           "transpose_codes_reference"]
+__all__ = ["QuantizedRows", "ROW_ALIGN", "check_targets", "plain", "quantize_rows", "quantize_rows_reference",
+           "transpose_codes_", "transpose_codes_reference"]

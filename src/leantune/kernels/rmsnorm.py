@@ -10,6 +10,11 @@ The fused version is one Triton kernel each way:
             fp32 registers into one partial row, then torch sums the [programs, H] partials.
 Small rows (q/k norm over head_dim) are processed several per program as a 2-D tile, so a
 program always has a few thousand elements to work on.
+
+rms_norm_fwd can also write y's e4m3 codes and 1 x 128 block scales (`quant`: the buffers of a
+kernels/fp8_quant.QuantizedRows, for the cuBLAS FP8 GEMM that reads y next), quantised in the
+same program from the rounded y it stores: equal to quantize_rows(y) bit for bit, without that
+pass over y.
 """
 
 from __future__ import annotations
@@ -21,8 +26,12 @@ from .dispatch import num_warps_for, sm_count, use_triton
 try:
     import triton
     import triton.language as tl
+
+    from .fp8_quant import quantize_block
 except ImportError:  # the package works without Triton (reference path only)
     triton = None
+
+QBLOCK = 128  # the activation blocks of the fused quantised output (kernels/fp8.BLOCK)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -42,10 +51,14 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_fwd_kernel(X, W, Y, RSTD, n_rows, H, stride_x, stride_y, eps, offset,
-                             BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-                             HAS_OFFSET: tl.constexpr):
-        """One program normalises BLOCK_R rows of BLOCK_H (>= H) columns."""
+    def _rms_norm_fwd_kernel(X, W, Y, RSTD, Q, ST, n_rows, H, stride_x, stride_y, stride_s,
+                             eps, offset, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+                             HAS_OFFSET: tl.constexpr, QUANT: tl.constexpr,
+                             ROUND_FP32: tl.constexpr):
+        """One program normalises BLOCK_R rows of BLOCK_H (>= H) columns. QUANT: also y's e4m3
+        codes into Q [n_rows, H] (uint8, contiguous) and its 1 x 128 block scales into ST
+        [H / 128, n_rows] (row stride stride_s), from y as stored (BLOCK_H a multiple of
+        128)."""
         rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = tl.arange(0, BLOCK_H)
         rmask = rows < n_rows
@@ -62,7 +75,17 @@ if triton is not None:
         else:
             # Llama: w * (x_f32 * rstd).to(x.dtype) -- round the normalised x first, as HF does.
             y = xn.to(x.dtype).to(tl.float32) * w[None, :]
-        tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+        y = y.to(Y.dtype.element_ty)
+        tl.store(Y + rows[:, None] * stride_y + cols[None, :], y, mask=mask)
+        if QUANT:
+            NB: tl.constexpr = BLOCK_H // 128  # (128: QBLOCK)
+            q, sc = quantize_block(tl.reshape(y.to(tl.float32), (BLOCK_R, NB, 128)), 2,
+                                   ROUND_FP32)
+            kb = tl.arange(0, NB)
+            c3 = kb[None, :, None] * 128 + tl.arange(0, 128)[None, None, :]
+            tl.store(Q + rows[:, None, None] * H + c3, q, mask=rmask[:, None, None] & (c3 < H))
+            tl.store(ST + kb[None, :] * stride_s + rows[:, None], sc,
+                     mask=rmask[:, None] & (kb * 128 < H)[None, :])
 
     @triton.jit
     def _rms_norm_bwd_kernel(DY, X, W, RSTD, DX, DW_PART, RES, n_rows, H, stride_dy, stride_x,
@@ -122,14 +145,20 @@ def _tile(H: int) -> tuple[int, int, int]:
     return block_r, block_h, num_warps_for(block_r * block_h)
 
 
-def _launch_fwd(x2, w, y2, rstd, eps: float, offset: float) -> None:
-    """x2, y2: [n, H] (rows contiguous), rstd: [n] fp32 (written)."""
+def _launch_fwd(x2, w, y2, rstd, eps: float, offset: float, quant=None) -> None:
+    """x2, y2: [n, H] (rows contiguous), rstd: [n] fp32 (written); quant: (codes e4m3 [n, H]
+    contiguous, scale_t fp32 [ceil(H / 128), n] with unit column stride) to write too."""
     n, H = x2.shape
     if n:
         block_r, block_h, warps = _tile(H)
+        if quant is not None and block_h < QBLOCK:  # (whole quantisation blocks a tile)
+            block_h = QBLOCK
+        codes, scale_t = quant if quant is not None else (rstd, rstd)
         _rms_norm_fwd_kernel[(triton.cdiv(n, block_r),)](
-            x2, w, y2, rstd, n, H, x2.stride(0), y2.stride(0), eps, float(offset),
-            BLOCK_R=block_r, BLOCK_H=block_h, HAS_OFFSET=bool(offset), num_warps=warps)
+            x2, w, y2, rstd, codes.view(torch.uint8) if quant is not None else codes, scale_t,
+            n, H, x2.stride(0), y2.stride(0), scale_t.stride(0) if quant is not None else 0,
+            eps, float(offset), BLOCK_R=block_r, BLOCK_H=block_h, HAS_OFFSET=bool(offset),
+            QUANT=quant is not None, ROUND_FP32=not x2.is_cuda, num_warps=warps)
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -197,15 +226,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
 # Plain functions (no autograd), for the hand-written decoder-layer backward (leantune.engine)
 # ------------------------------------------------------------------------------------------------
 def rms_norm_fwd(x2: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
-                 out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 out: torch.Tensor | None = None,
+                 quant: tuple[torch.Tensor, torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x2: [n, H] (rows contiguous) -> (y [n, H] in x2.dtype, rstd [n] fp32).
 
-    `out`: where y goes, e.g. the left columns of a wider buffer (rows may be strided)."""
+    `out`: where y goes, e.g. the left columns of a wider buffer (rows may be strided).
+    `quant`: (codes e4m3 [n, H] contiguous, scale_t fp32 [ceil(H / 128), n], unit column
+    stride; a QuantizedRows' targets) written with y's 1 x 128 block quantisation, equal to
+    kernels/fp8_quant.quantize_rows(y) bit for bit (module docstring)."""
     n, H = x2.shape
     y = torch.empty_like(x2) if out is None else out
+    if quant is not None:
+        from .fp8_quant import check_targets
+
+        check_targets(quant, n, H, "rms_norm_fwd")
     if use_triton(x2):
         rstd = torch.empty(n, dtype=torch.float32, device=x2.device)
-        _launch_fwd(x2, weight, y, rstd, float(eps), float(offset))
+        _launch_fwd(x2, weight, y, rstd, float(eps), float(offset), quant)
         return y, rstd
     xf = x2.float()
     rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps)
@@ -214,6 +252,10 @@ def rms_norm_fwd(x2: torch.Tensor, weight: torch.Tensor, eps: float, offset: flo
         y.copy_((xn * (weight.float() + offset)).to(x2.dtype))
     else:
         y.copy_((weight * xn.to(x2.dtype)).to(x2.dtype))
+    if quant is not None:
+        from .fp8_quant import quantize_rows_reference
+
+        quantize_rows_reference(y, *quant)
     return y, rstd
 
 

@@ -11,6 +11,11 @@ op made (non-contiguous input); leaves and plain user tensors get fresh gradient
 backward the saved buffers hold gradients, so their version counters are bumped: a second backward
 through the same graph (retain_graph=True) raises autograd's usual in-place error rather than
 silently using overwritten values.
+
+glu_fwd can also write its output's e4m3 codes and 1 x 128 block scales (`quant`: the buffers of
+a kernels/fp8_quant.QuantizedRows, for the cuBLAS FP8 down projection that reads it next),
+quantised in the same program from the rounded values it stores: equal to quantize_rows(out)
+bit for bit, without that pass over out.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from .dispatch import use_triton
 try:
     import triton
     import triton.language as tl
+
+    from .fp8_quant import quantize_block
 except ImportError:  # the package works without Triton (reference path only)
     triton = None
 
@@ -92,16 +99,27 @@ if triton is not None:
 
 
     @triton.jit
-    def _glu_fwd_rows_kernel(G, U, OUT, cols, stride_g, stride_u, stride_o, ACT: tl.constexpr,
-                             BLOCK: tl.constexpr):
-        """One row block of out = act(g) * u over [rows, cols] with any row strides."""
+    def _glu_fwd_rows_kernel(G, U, OUT, Q, ST, cols, stride_g, stride_u, stride_o, stride_s,
+                             ACT: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr,
+                             ROUND_FP32: tl.constexpr):
+        """One row block of out = act(g) * u over [rows, cols] with any row strides. QUANT:
+        also out's e4m3 codes into Q [rows, cols] (uint8, contiguous) and its 1 x 128 block
+        scales into ST [cols / 128, rows] (row stride stride_s), from out as stored (BLOCK a
+        multiple of 128)."""
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < cols
         g = tl.load(G + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(U + row * stride_u + offs, mask=mask, other=0.0).to(tl.float32)
         a, _ = _act_and_grad(g, ACT)
-        tl.store(OUT + row * stride_o + offs, (a * u).to(OUT.dtype.element_ty), mask=mask)
+        h = (a * u).to(OUT.dtype.element_ty)
+        tl.store(OUT + row * stride_o + offs, h, mask=mask)
+        if QUANT:
+            NB: tl.constexpr = BLOCK // 128
+            q, sc = quantize_block(tl.reshape(h.to(tl.float32), (NB, 128)), 1, ROUND_FP32)
+            tl.store(Q + row * cols + offs, tl.reshape(q, (BLOCK,)), mask=mask)
+            kb = tl.program_id(1) * NB + tl.arange(0, NB)
+            tl.store(ST + kb * stride_s + row, sc, mask=kb * 128 < cols)
 
     @triton.jit
     def _glu_bwd_rows_kernel(DY, G, U, H, cols, stride_dy, stride_g, stride_u, stride_h,
@@ -228,21 +246,35 @@ def _check_rows(*ts: torch.Tensor) -> None:
 
 
 def glu_fwd(gate: torch.Tensor, up: torch.Tensor, act: int,
-            out: torch.Tensor | None = None) -> torch.Tensor:
+            out: torch.Tensor | None = None,
+            quant: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """act(gate) * up for gate/up [n, I] -> out [n, I]; act: a value of ACTS.
 
     Rows may be strided (e.g. gate and up as the two column halves of one GEMM output, `out` the
-    left columns of a wider buffer); columns must be contiguous."""
+    left columns of a wider buffer); columns must be contiguous. `quant`: (codes e4m3 [n, I]
+    contiguous, scale_t fp32 [ceil(I / 128), n], unit column stride; a QuantizedRows' targets)
+    written with out's 1 x 128 block quantisation, equal to quantize_rows(out) bit for bit."""
     out = torch.empty_like(gate, memory_format=torch.contiguous_format) if out is None else out
     _check_rows(gate, up, out)
+    if quant is not None:
+        from .fp8_quant import check_targets
+
+        check_targets(quant, *out.shape, "glu_fwd")
     if use_triton(gate):
         n, cols = gate.shape
         if n and cols:
+            codes, scale_t = quant if quant is not None else (out, out)
             _glu_fwd_rows_kernel[(n, triton.cdiv(cols, _BLOCK))](
-                gate, up, out, cols, gate.stride(0), up.stride(0), out.stride(0), ACT=act,
-                BLOCK=_BLOCK, num_warps=_NUM_WARPS)
+                gate, up, out, codes.view(torch.uint8) if quant is not None else codes, scale_t,
+                cols, gate.stride(0), up.stride(0), out.stride(0),
+                scale_t.stride(0) if quant is not None else 0, ACT=act, BLOCK=_BLOCK,
+                QUANT=quant is not None, ROUND_FP32=not gate.is_cuda, num_warps=_NUM_WARPS)
         return out
     out.copy_(_act_reference(gate.float(), act) * up.float())
+    if quant is not None:
+        from .fp8_quant import quantize_rows_reference
+
+        quantize_rows_reference(out, *quant)
     return out
 
 

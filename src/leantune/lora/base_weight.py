@@ -113,6 +113,8 @@ class FP8Base(BaseWeight):
     kind = "fp8"
 
     def mm(self, x, out=None, resid=None):
+        """(x may be a kernels/fp8_quant.QuantizedRows: x with its codes, written by the kernel
+        that produced x, which the cuBLAS GEMM reads instead of quantising x again)"""
         return fp8_mm(x, self.store, transpose=False, out=out, resid=resid)
 
     def mm_t(self, dy, out=None, accumulate=False, scratch=None):

@@ -405,3 +405,53 @@ def test_the_setting_applies_to_the_pair_objectives_only():
     assert TrainConfig(objective="simpo").validate().objective.shared_prompt is True
     with pytest.raises(LeantuneError, match="shared-prompt"):
         TrainConfig(objective="kto", shared_prompt=False).validate()
+
+
+def test_the_planner_counts_the_gathered_keys():
+    from leantune.engine.planner import Keep, Workload, kept_bytes, working_set_bytes
+    from leantune.model.config import ModelConfig
+
+    cfg = ModelConfig.from_dict(CONFIGS["llama"])
+    plain, shared = (Workload(cfg, 4096, shared_prompt=s) for s in (False, True))
+    extra = working_set_bytes(shared) - working_set_bytes(plain)
+    assert extra == 4 * 1.5 * 4096 * cfg.kv_size * 2
+    auto = [Workload(cfg, 4096, autograd=True, shared_prompt=s) for s in (False, True)]
+    assert kept_bytes(auto[1], Keep.ALL) > kept_bytes(auto[0], Keep.ALL)
+    assert kept_bytes(shared, Keep.ATTENTION) == kept_bytes(plain, Keep.ATTENTION)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash attention needs CUDA")
+@pytest.mark.parametrize("window", [None, 4])
+def test_real_flash_on_shared_batches_matches_the_mask_path(window):
+    """On a GPU: flash's own ops (bottom-right causal over the gathered keys) through the
+    engine backend and the plain varlen path, bf16, against the mask path in fp32."""
+    from leantune.model.flash import flash_ok
+
+    pb = pack_preference_batch(_pairs(2), 16, shared=True)
+    b = pb.batch.to("cuda")
+    B, T = b.input_ids.shape
+    kw = dict(kv_index=b.kv_index, cu_seqlens_k=b.cu_seqlens_k, max_seqlen_k=b.max_seqlen_k,
+              seq_lens_k=b.seq_lens_k)
+    metas = {path: AttentionMeta.build((B, T), torch.device("cuda"), b.seq_lens, b.cu_seqlens,
+                                       b.max_seqlen, {window}, torch.bfloat16, path=path, **kw)
+             for path in ("mask", "varlen")}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, dout = (torch.randn(B, T, h, 64, generator=g, device="cuda", dtype=torch.bfloat16)
+                     for h in (4, 2, 2, 4))
+    if not flash_ok(q):
+        pytest.skip("no flash attention ops in this build")
+
+    def run(meta, dtype):
+        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        out = attention(*leaves, meta, window, 0.125)
+        return (out.detach(), *torch.autograd.grad(out, leaves, dout.to(dtype)))
+
+    want = run(metas["mask"], torch.float32)
+    for got, ref in zip(run(metas["varlen"], torch.bfloat16), want):
+        torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2)
+    backend = engine_attention.AttentionBackend(EngineOptions())
+    out, state = backend.forward(q, k, v, metas["varlen"], window, 0.125)
+    assert isinstance(state, engine_attention.FlashState)
+    grads = backend.backward(dout, q, k, v, out, state, metas["varlen"], window, 0.125)
+    for got, ref in zip((out, *grads), want):
+        torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2)

@@ -30,7 +30,8 @@ VOCAB = 97
 # ---- data -----------------------------------------------------------------------------------
 
 def _pairs(seed=0):
-    """Odd lengths, a one-token prompt, completions of different lengths, a one-token one."""
+    """Odd lengths, a one-token prompt, completions of different lengths, a one-token one, an
+    empty prompt (nothing predicts either first token, as in the two-document packing)."""
     g = torch.Generator().manual_seed(seed)
 
     def ids(k):
@@ -38,7 +39,7 @@ def _pairs(seed=0):
 
     return [PreferencePair(ids(5), ids(3), ids(4)), PreferencePair(ids(1), ids(6), ids(2)),
             PreferencePair(ids(7), ids(5), ids(5)), PreferencePair(ids(3), ids(1), ids(7)),
-            PreferencePair(ids(2), ids(4), ids(1))]
+            PreferencePair(ids(2), ids(4), ids(1)), PreferencePair([], ids(3), ids(2))]
 
 
 class _Items:
@@ -104,11 +105,11 @@ def test_shared_layout_targets_positions_and_counts():
     for i, p in enumerate(pairs):
         for d, completion in ((2 * i, p.chosen), (2 * i + 1, p.rejected)):
             rows = b.target_rows[cu[d]:cu[d + 1]]
-            assert b.target_ids[cu[d]:cu[d + 1]].tolist() == completion
             # the rows read the sequence's tokens before each target, at positions Lp-1, ...
-            seq = p.prompt + completion
-            assert flat_ids[rows].tolist() == seq[len(p.prompt) - 1:-1]
-            assert flat_pos[rows].tolist() == list(range(len(p.prompt) - 1, len(seq) - 1))
+            seq, first = p.prompt + completion, max(len(p.prompt) - 1, 0)
+            assert b.target_ids[cu[d]:cu[d + 1]].tolist() == seq[first + 1:]
+            assert flat_ids[rows].tolist() == seq[first:-1]
+            assert flat_pos[rows].tolist() == list(range(first, len(seq) - 1))
     # the prompt's last row carries both first targets; labels hold the chosen one
     assert b.target_rows.numel() == b.num_target_tokens > (b.labels != IGNORE_INDEX).sum()
     assert set(pb.doc_index.unique().tolist()) - {-1} == set(range(2 * len(pairs)))

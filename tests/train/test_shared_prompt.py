@@ -456,3 +456,12 @@ def test_real_flash_on_shared_batches_matches_the_mask_path(window):
     grads = backend.backward(dout, q, k, v, out, state, metas["varlen"], window, 0.125)
     for got, ref in zip((out, *grads), want):
         torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_no_shared_prompt_flag_reaches_the_config(tmp_path):
+    from leantune.cli import _config_from_args, build_parser
+
+    argv = ["train", "--model", "m", "--data", "d.jsonl", "--objective", "orpo"]
+    on = _config_from_args(build_parser().parse_args(argv))[0]
+    off = _config_from_args(build_parser().parse_args(argv + ["--no-shared-prompt"]))[0]
+    assert on.objective.shared_prompt is True and off.objective.shared_prompt is False

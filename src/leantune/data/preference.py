@@ -529,10 +529,6 @@ def _pack_shared(pairs: Sequence[PreferencePair], max_seq_len: int, pad_id: int,
             rejected = _branch_targets(p.prompt, p.rejected, prompt_rows
                                        + list(range(base + lp + lc, base + lengths[i])))
             targets[2 * i], targets[2 * i + 1] = chosen, rejected
-            for r, tok in zip(*rejected):  # rejected first: chosen wins the shared row
-                labels.view(-1)[r] = tok
-            for r, tok in zip(*chosen):
-                labels.view(-1)[r] = tok
             seq_lens += [lp + lc, lr]
             seq_lens_k += [lp + lc, lp + lr]
             t += lengths[i]
@@ -540,6 +536,11 @@ def _pack_shared(pairs: Sequence[PreferencePair], max_seq_len: int, pad_id: int,
             position_ids[b, t:] = torch.arange(T - t)
             seq_lens.append(T - t)
             seq_lens_k.append(T - t)
+    for role in (1, 0):  # rejected first: the chosen target wins the shared row
+        rows_ = [r for d in range(role, len(targets), 2) for r in targets[d][0]]
+        ids_ = [x for d in range(role, len(targets), 2) for x in targets[d][1]]
+        labels.view(-1)[torch.tensor(rows_, dtype=torch.long)] = torch.tensor(ids_,
+                                                                              dtype=torch.long)
     counts = torch.tensor([len(r) for r, _ in targets], dtype=torch.long)
     target_cu = torch.zeros(len(targets) + 1, dtype=torch.long)
     target_cu[1:] = torch.cumsum(counts, 0)

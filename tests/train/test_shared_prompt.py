@@ -443,7 +443,7 @@ def test_real_flash_on_shared_batches_matches_the_mask_path(window):
         pytest.skip("no flash attention ops in this build")
 
     def run(meta, dtype):
-        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
         out = attention(*leaves, meta, window, 0.125)
         return (out.detach(), *torch.autograd.grad(out, leaves, dout.to(dtype)))
 

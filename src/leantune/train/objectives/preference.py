@@ -269,7 +269,8 @@ class PreferenceObjective(Objective):
         self.precompute = bool(getattr(s, "precompute_reference", False))
         self.max_prompt_len = getattr(s, "max_prompt_len", None)
         # pairs packed with the prompt once (module docstring); prepare() checks the model
-        self.shared_prompt = (self.kind == "pairs" and getattr(s, "shared_prompt", True) is not False
+        self.shared_prompt = (self.kind == "pairs"
+                              and getattr(s, "shared_prompt", True) is not False
                               and os.environ.get(SHARED_PROMPT_ENV, "1") != "0")
         if self.precompute and not self.needs_reference:
             raise LeantuneError(f"--precompute-reference: --objective {self.name} uses no "

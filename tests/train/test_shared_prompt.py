@@ -465,3 +465,30 @@ def test_no_shared_prompt_flag_reaches_the_config(tmp_path):
     on = _config_from_args(build_parser().parse_args(argv))[0]
     off = _config_from_args(build_parser().parse_args(argv + ["--no-shared-prompt"]))[0]
     assert on.objective.shared_prompt is True and off.objective.shared_prompt is False
+
+
+def test_a_dpo_run_is_the_same_shared_or_not(tmp_path):
+    """The trainer end to end (steps, the eval loader, tokens counted): the bundled tiny Llama
+    on the bundled pairs, two DPO steps with an eval, shared and unshared."""
+    from helpers import quiet, read_metrics, train_cfg
+    from leantune import assets
+    from leantune.train.trainer import Trainer
+
+    runs = []
+    for shared in (True, False):
+        out = tmp_path / str(shared)
+        cfg = train_cfg(assets.path("tiny-llama"), assets.path("data/demo_preference.jsonl"),
+                        out, objective="dpo", max_steps=2, lr=5e-3, batch_size=4,
+                        max_seq_len=64, warmup_steps=0, shared_prompt=shared,
+                        eval_fraction=0.1, eval_every=2)
+        trainer = Trainer(cfg, log=quiet)
+        assert trainer.loader.shared_prompt == shared == trainer.eval_loader.shared_prompt
+        trainer.train()
+        runs.append(read_metrics(out))
+    assert len(runs[0]) == len(runs[1]) == 4
+    for a, b in zip(*runs):
+        assert a.keys() == b.keys() and a["step"] == b["step"]
+        for k in a:
+            if k.endswith("loss") or "reward" in k or k == "grad_norm":
+                assert a[k] == pytest.approx(b[k], abs=1e-5), k
+        assert a.get("tokens_seen") == b.get("tokens_seen")

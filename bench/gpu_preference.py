@@ -14,6 +14,11 @@ torch.cuda.max_memory_allocated (weights included), reset before each tool.
                         on the pairs packed as 8 documents, backward, clip, AdamW.
     leantune+precompute the same with --precompute-reference: prepare() computes the reference
                         log-probs once (its time is reported apart), the steps read them.
+    ... 2-doc           --shared both|on|off (default both): leantune's pairs packed as one
+                        shared document [prompt | chosen | rejected] each, the prompt run once
+                        (the default layout: 4 rows of 1,536 tokens, 6,144 a pass), and/or as
+                        two documents ("2-doc": 8,192 a pass); tokens/s counts 8,192 either
+                        way; "pass" is the tokens a pass runs.
     trl                 (where `trl` imports) TRL's own DPOTrainer._compute_loss on its collator's
                         batch, over transformers + PEFT with non-reentrant gradient
                         checkpointing and TRL's fused log-prob head (add_fused_lm_head, as
@@ -21,7 +26,7 @@ torch.cuda.max_memory_allocated (weights included), reset before each tool.
                         disabled, each step; backward, clip, AdamW.
 
     # H200
-    PYTHONPATH=src python bench/gpu_preference.py --precompute-reference
+    PYTHONPATH=src python bench/gpu_preference.py --precompute-reference --shared both
     # CPU, seconds (times meaningless): the whole path at a tiny shape
     PYTHONPATH=src python bench/gpu_preference.py --tiny
 """
@@ -82,7 +87,7 @@ def objective_cfg(seq: int, pairs: int, output: str, precompute: bool):
                            output=output, model="random", data=None)
 
 
-def bench_leantune(args, items, device, precompute: bool) -> dict:
+def bench_leantune(args, items, device, precompute: bool, shared: bool = True) -> dict:
     seq = args.prompt + args.completion
     vocab = leantune_model_vocab(args.shape)
     # the planner sees the packed step: 2 x pairs rows of prompt + completion tokens
@@ -94,6 +99,8 @@ def bench_leantune(args, items, device, precompute: bool) -> dict:
         # the training loader (shuffle=True: a training split, so the precomputed reference
         # is read; the batch below names its items explicitly, so the order does not matter)
         loader = obj.make_loader(Pairs(items), None, shuffle=True)
+        obj.check_shared_prompt(model, [loader])  # (a model that can't: unshared, one line)
+        loader.shared_prompt = loader.shared_prompt and shared
         prep_s = None
         if precompute:
             sync(device)
@@ -144,7 +151,8 @@ def bench_leantune(args, items, device, precompute: bool) -> dict:
     plan = getattr(trainer, "activation_policy", args.policy)
     del trainer, model, params, opt
     return {"step_s": median(times), "peak_gib": peak, "plan": str(plan),
-            "loss0": float(losses[0]), "prepare_s": prep_s}
+            "loss0": float(losses[0]), "prepare_s": prep_s,
+            "pass_tokens": batch.batch.input_ids.numel()}
 
 
 def leantune_model_vocab(shape: str) -> int:
@@ -215,6 +223,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--precompute-reference", action="store_true",
                     help="also time leantune with the reference log-probs precomputed")
+    ap.add_argument("--shared", choices=["both", "on", "off"], default="both",
+                    help="leantune's pairs as shared-prompt documents (on), two documents a "
+                         "pair (off), or both, one after the other (default)")
     ap.add_argument("--no-baseline", action="store_true", help="skip TRL")
     ap.add_argument("--phases", action="store_true",
                     help="also time the reference pass, the policy pass and an SFT step apart")
@@ -229,9 +240,13 @@ def main(argv=None) -> int:
     items = random_pairs(leantune_model_vocab(args.shape), args.pairs, args.prompt,
                          args.completion)
     tokens = 2 * args.pairs * (args.prompt + args.completion)
-    runs = [("leantune", lambda: bench_leantune(args, items, device, False))]
-    if args.precompute_reference:
-        runs.append(("leantune+precompute", lambda: bench_leantune(args, items, device, True)))
+    layouts = {"both": [True, False], "on": [True], "off": [False]}[args.shared]
+    runs = []
+    for precompute in [False] + ([True] if args.precompute_reference else []):
+        for shared in layouts:
+            name = "leantune" + ("+precompute" if precompute else "") + ("" if shared else " 2-doc")
+            runs.append((name, lambda p=precompute, s=shared: bench_leantune(args, items, device,
+                                                                             p, s)))
     if not args.no_baseline:
         try:
             import trl  # noqa: F401
@@ -254,18 +269,20 @@ def main(argv=None) -> int:
             r["tokens_per_s"] = tokens / r["step_s"]
         results[tool] = r
         record("preference_dpo", **r)
-    print(f"{'tool':<22}{'tokens/s':>10}{'peak GiB':>10}{'loss0':>10}  plan", flush=True)
+    print(f"{'tool':<28}{'tokens/s':>10}{'pass':>7}{'peak GiB':>10}{'loss0':>10}  plan",
+          flush=True)
     for tool, r in results.items():
         if "error" in r:
-            print(f"{tool:<22}{r['error']}")
+            print(f"{tool:<28}{r['error']}")
             continue
         peak = f"{r['peak_gib']:.2f}" if r["peak_gib"] is not None else "-"
         extra = f" (prepare {r['prepare_s']:.2f} s)" if r.get("prepare_s") is not None else ""
-        print(f"{tool:<22}{r['tokens_per_s']:>10.0f}{peak:>10}{r['loss0']:>10.4f}  "
-              f"{r['plan']}{extra}", flush=True)
-    if "trl" in results and "tokens_per_s" in results.get("trl", {}) and \
-            "tokens_per_s" in results["leantune"]:
-        print(f"leantune / trl: {results['leantune']['tokens_per_s'] / results['trl']['tokens_per_s']:.2f}x")
+        print(f"{tool:<28}{r['tokens_per_s']:>10.0f}{r.get('pass_tokens', tokens):>7}{peak:>10}"
+              f"{r['loss0']:>10.4f}  {r['plan']}{extra}", flush=True)
+    rate = {t: r["tokens_per_s"] for t, r in results.items() if "tokens_per_s" in r}
+    for a, b in (("leantune", "leantune 2-doc"), ("leantune", "trl")):
+        if a in rate and b in rate:
+            print(f"{a} / {b}: {rate[a] / rate[b]:.2f}x", flush=True)
     return 0
 
 

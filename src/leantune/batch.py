@@ -37,7 +37,22 @@ class PackedBatch:
         target_rows: [num_target_tokens] int64 flat indices (over B*T) of the labels !=
             IGNORE_INDEX, found on the host once per batch (None for a batch built on the
             device): the token log-prob head runs on these rows only (model/transformer.py), so
-            prompt tokens and padding cost no [rows, vocab] GEMM there.
+            prompt tokens and padding cost no [rows, vocab] GEMM there. With `target_ids` it
+            is the batch's explicit target list, where a row may repeat (below).
+
+    Shared-prompt batches (data/preference.py `pack_preference_batch(shared=True)`: one document
+    [prompt | chosen | rejected] per pair, the prompt run once) add, all built on the host:
+        target_ids: [N_t] int64, the token each of `target_rows` must predict: the prompt's last
+            row predicts the first token of both completions, so it appears twice and `labels`
+            (one target a row) cannot say it. None: the targets are `labels` at target_rows.
+        target_cu: [D + 1] int64 cumulative targets per document of the target list (targets
+            are listed document by document), so per-document sums are segment sums over it.
+        kv_index: [Nk] int64 flat indices (over B*T) of the rows each key/value segment reads:
+            attention's k/v are gathered as k_flat[kv_index] (model/attention.py); None: every
+            segment attends to its own rows (cu_seqlens for queries and keys alike).
+        cu_seqlens_k: [segments + 1] int32 cumulative key segment lengths over the Nk gathered
+            rows (segment s of the keys goes with query segment s); max_seqlen_k its longest
+            (host int); seq_lens_k the host copy of its lengths.
     """
 
     input_ids: torch.Tensor
@@ -49,6 +64,12 @@ class PackedBatch:
     num_target_tokens: int = 0
     num_real_tokens: int = 0
     target_rows: torch.Tensor | None = None
+    target_ids: torch.Tensor | None = None
+    target_cu: torch.Tensor | None = None
+    kv_index: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_k: int = 0
+    seq_lens_k: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         labels = self.labels
@@ -66,6 +87,11 @@ class PackedBatch:
     @property
     def num_tokens(self) -> int:
         return self.input_ids.numel()
+
+    @property
+    def shared_kv(self) -> bool:
+        """Whether key/value segments gather rows of other segments (kv_index: shared prompts)."""
+        return self.kv_index is not None
 
 
     def to(self, device, non_blocking: bool = True) -> "PackedBatch":

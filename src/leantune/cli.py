@@ -84,6 +84,9 @@ def _train_parser(sub) -> None:
                    help="compute the reference log-probs once, before training")
     o.add_argument("--max-prompt-len", type=int,
                    help="preference: prompt tokens kept, cut from the left (default: no cap)")
+    o.add_argument("--no-shared-prompt", dest="shared_prompt", action="store_false",
+                   default=None, help="DPO, ORPO, SimPO: pack each pair as two documents, the "
+                                      "prompt run twice (default: once, in one shared document)")
     r = p.add_argument_group("GRPO", "--objective grpo: online RL on prompt-only rows "
                                      "{\"prompt\": ...}; --beta (default 0) and --loss-type "
                                      "(dapo, grpo, dr_grpo, bnpo, gspo) apply too")

@@ -24,13 +24,15 @@ def test_preference_bench_tiny(tmp_path):
     tools = [r["tool"] for r in rows]
     try:
         import trl  # noqa: F401
-        want = ["leantune", "leantune+precompute", "trl"]
+        want = ["leantune", "leantune 2-doc", "leantune+precompute", "leantune+precompute 2-doc",
+                "trl"]
     except ImportError:
-        want = ["leantune", "leantune+precompute"]
+        want = ["leantune", "leantune 2-doc", "leantune+precompute", "leantune+precompute 2-doc"]
     assert tools == want
     for r in rows:
         assert "error" not in r, r
         assert r["tokens_per_step"] == 2 * 2 * 32 and r["tokens_per_s"] > 0
         assert abs(r["loss0"] - math.log(2)) < 1e-5, r
-    assert rows[1]["prepare_s"] is not None
+    assert rows[2]["prepare_s"] is not None
+    assert rows[0]["pass_tokens"] < rows[1]["pass_tokens"]  # the shared prompt runs once
     assert "tokens/s" in res.stdout and "leantune " in res.stdout

@@ -21,6 +21,8 @@ longer completion still does not fit), then the completions from the right. A le
 `pack_preference_batch` / `pack_kto_batch` turn one micro-batch of pairs / rows into a packed
 `PreferenceBatch`: each sequence is its own document (no cross-document attention), both of a
 pair in the same micro-batch, with per-document metadata mapping documents back to pairs.
+With `shared=True` a pair is one shared document [prompt | chosen | rejected] instead, so the
+prompt runs once (`_pack_shared`); its per-document log-prob sums are the same.
 """
 
 from __future__ import annotations
@@ -400,6 +402,8 @@ class PreferenceBatch:
             row's document / its KL document).
         label: [U] bool, KTO labels (None for pairs).
         num_units: pairs or rows in the micro-batch (host int).
+        sequence_tokens: tokens of the 2U sequences (prompt + completion each, host int), the
+            same with or without a shared prompt: what tokens/s counts.
     """
 
     batch: PackedBatch
@@ -411,6 +415,7 @@ class PreferenceBatch:
     second_doc: torch.Tensor
     num_units: int
     label: torch.Tensor | None = None
+    sequence_tokens: int = 0
 
     def to(self, device, non_blocking: bool = True) -> "PreferenceBatch":
         out = {}
@@ -453,16 +458,105 @@ def _check_fits(docs, max_seq_len):
 
 
 def pack_preference_batch(pairs: Sequence[PreferencePair], max_seq_len: int, pad_id: int = 0,
-                          pad_to_multiple: int = 8) -> PreferenceBatch:
+                          pad_to_multiple: int = 8, shared: bool = False) -> PreferenceBatch:
     """One micro-batch of P pairs as 2P packed documents: document 2i is pair i's chosen
-    sequence, 2i + 1 its rejected one; both in this micro-batch, never attending to each other."""
+    sequence, 2i + 1 its rejected one; both in this micro-batch, never attending to each other.
+    `shared`: one shared document per pair instead (`_pack_shared`), documents 2i / 2i + 1
+    being its chosen / rejected targets."""
     docs = [(p.prompt, c) for p in pairs for c in (p.chosen, p.rejected)]
     _check_fits(docs, max_seq_len)
-    batch, doc_index, tokens = _pack_documents(docs, max_seq_len, pad_id, pad_to_multiple)
     n = len(pairs)
+    if shared:
+        batch, doc_index, tokens = _pack_shared(pairs, max_seq_len, pad_id, pad_to_multiple)
+    else:
+        batch, doc_index, tokens = _pack_documents(docs, max_seq_len, pad_id, pad_to_multiple)
     return PreferenceBatch(batch, doc_index, torch.arange(n).repeat_interleave(2),
                            torch.tensor([0, 1]).repeat(n), tokens, torch.arange(n) * 2,
-                           torch.arange(n) * 2 + 1, n)
+                           torch.arange(n) * 2 + 1, n,
+                           sequence_tokens=sum(len(p) + len(c) for p, c in docs))
+
+
+def _branch_targets(prompt: list[int], completion: list[int], rows: list[int]):
+    """(rows, ids) of one sequence prompt + completion's targets, as shift_labels gives them
+    (token s predicts s + 1 where s + 1 is a completion token), `rows[s]` being where token s
+    lies in the packed batch."""
+    seq = prompt + completion
+    first = max(len(prompt) - 1, 0)
+    return [rows[s] for s in range(first, len(seq) - 1)], seq[first + 1:]
+
+
+def _pack_shared(pairs: Sequence[PreferencePair], max_seq_len: int, pad_id: int,
+                 pad_to_multiple: int):
+    """Pack P pairs as P shared documents [prompt | chosen | rejected] (Lp + Lc + Lr tokens)
+    with first-fit decreasing into rows of 2 x max_seq_len (a pair holds at most two sequences'
+    tokens, so B*T stays within today's bound). Positions: prompt 0..Lp-1, chosen and rejected
+    both from Lp (rejected as if chosen were absent). Query segments per pair [prompt + chosen],
+    [rejected]; key segments [prompt + chosen], [prompt + rejected] (the prompt's rows gathered
+    again: kv_index, model/attention.shared_kv_index); padding is a segment of its own.
+
+    The prompt's last row predicts the first token of both completions, so the targets are an
+    explicit list (target_rows, target_ids; document by document: 2i chosen, 2i + 1 rejected,
+    target_cu over them); `labels` holds one target a row (the chosen one on that row).
+    Returns (batch, doc_index [B, T]: 2i on prompt and chosen tokens, 2i + 1 on rejected ones,
+    -1 on padding; completion_tokens [2P])."""
+    from leantune.model.attention import shared_kv_index
+
+    lengths = [len(p.prompt) + len(p.chosen) + len(p.rejected) for p in pairs]
+    rows = pack_first_fit_decreasing(lengths, 2 * max_seq_len)
+    longest = max(sum(lengths[i] for i in row) for row in rows)
+    B, T = len(rows), -(-longest // pad_to_multiple) * pad_to_multiple
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    labels = torch.full((B, T), IGNORE_INDEX, dtype=torch.long)
+    position_ids = torch.zeros((B, T), dtype=torch.long)
+    doc_index = torch.full((B, T), -1, dtype=torch.long)
+    seq_lens: list[int] = []
+    seq_lens_k: list[int] = []
+    targets: list[tuple[list[int], list[int]]] = [([], [])] * (2 * len(pairs))
+    for b, row in enumerate(rows):
+        t = 0
+        for i in row:
+            p = pairs[i]
+            lp, lc, lr = len(p.prompt), len(p.chosen), len(p.rejected)
+            base = b * T + t
+            input_ids[b, t:t + lengths[i]] = torch.tensor(p.prompt + p.chosen + p.rejected)
+            position_ids[b, t:t + lp + lc] = torch.arange(lp + lc)
+            position_ids[b, t + lp + lc:t + lengths[i]] = torch.arange(lp, lp + lr)
+            doc_index[b, t:t + lp + lc] = 2 * i
+            doc_index[b, t + lp + lc:t + lengths[i]] = 2 * i + 1
+            prompt_rows = list(range(base, base + lp))
+            chosen = _branch_targets(p.prompt, p.chosen, prompt_rows
+                                     + list(range(base + lp, base + lp + lc)))
+            rejected = _branch_targets(p.prompt, p.rejected, prompt_rows
+                                       + list(range(base + lp + lc, base + lengths[i])))
+            targets[2 * i], targets[2 * i + 1] = chosen, rejected
+            seq_lens += [lp + lc, lr]
+            seq_lens_k += [lp + lc, lp + lr]
+            t += lengths[i]
+        if t < T:  # trailing padding: a segment of its own, positions 0..pad-1
+            position_ids[b, t:] = torch.arange(T - t)
+            seq_lens.append(T - t)
+            seq_lens_k.append(T - t)
+    for role in (1, 0):  # rejected first: the chosen target wins the shared row
+        rows_ = [r for d in range(role, len(targets), 2) for r in targets[d][0]]
+        ids_ = [x for d in range(role, len(targets), 2) for x in targets[d][1]]
+        labels.view(-1)[torch.tensor(rows_, dtype=torch.long)] = torch.tensor(ids_,
+                                                                              dtype=torch.long)
+    counts = torch.tensor([len(r) for r, _ in targets], dtype=torch.long)
+    target_cu = torch.zeros(len(targets) + 1, dtype=torch.long)
+    target_cu[1:] = torch.cumsum(counts, 0)
+    cu = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(seq_lens, dtype=torch.int32), 0)
+    cu_k = torch.zeros(len(seq_lens_k) + 1, dtype=torch.int32)
+    cu_k[1:] = torch.cumsum(torch.tensor(seq_lens_k, dtype=torch.int32), 0)
+    batch = PackedBatch(
+        input_ids=input_ids, labels=labels, position_ids=position_ids, cu_seqlens=cu,
+        max_seqlen=max(seq_lens), seq_lens=seq_lens, num_target_tokens=int(counts.sum()),
+        num_real_tokens=sum(lengths),
+        target_rows=torch.tensor([r for rs, _ in targets for r in rs], dtype=torch.long),
+        target_ids=torch.tensor([x for _, ids in targets for x in ids], dtype=torch.long),
+        target_cu=target_cu, kv_index=shared_kv_index(seq_lens, seq_lens_k), cu_seqlens_k=cu_k,
+        max_seqlen_k=max(seq_lens_k), seq_lens_k=seq_lens_k)
+    return batch, doc_index, counts
 
 
 def pack_kto_batch(rows: Sequence[KTORow], max_seq_len: int, pad_id: int = 0,

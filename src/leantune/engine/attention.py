@@ -14,6 +14,11 @@ log-sum-exp (model/sink_attention.py), the state keeping the sink-inclusive one,
 returns their gradient too (None for frozen sinks: not computed); cuDNN is not used for them. Elsewhere the model's attention with
 sinks runs under autograd as without them.
 
+Shared-prompt batches (meta.kv_index, model/attention.py): the flash path gathers k/v into the
+key segments (k_flat[kv_index]), calls flash with separate query and key segments, and backward
+gathers again (nothing more kept) and sums flash's dk/dv of the gathered rows back onto the token
+rows (scatter_kv_grads). cuDNN is never used for them (one_document_rows is False).
+
 All tensors are [B, T, H, D] (q: Hq heads, k/v: Hk heads); the metadata is the model's
 AttentionMeta, built once per batch.
 """
@@ -24,7 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model.attention import SDPA_GQA, AttentionMeta, attention, repeat_kv_heads
+from ..model.attention import (SDPA_GQA, AttentionMeta, attention, gather_kv, repeat_kv_heads,
+                               scatter_kv_grads)
 from ..model.flash import flash_backward, flash_forward, flash_ok
 from ..model.sink_attention import add_sinks, sinks_grad
 from ..model.softcap_attention import softcap_attention_backward, softcap_attention_forward
@@ -132,6 +138,9 @@ class AttentionBackend:
         re-runs attention under autograd) or, with `for_backward` (a recompute right before
         backward), the autograd graph of this call, so backward does not run it a third time.
         `sinks` [Hq]: attention sinks; `softcap`: soft-capped scores (module docstring)."""
+        if meta.kv_index is not None and (softcap or sinks is not None):
+            raise ValueError("attention soft-capping and sinks do not run on shared-prompt "
+                             "batches; pack the pairs unshared (LEANTUNE_SHARED_PROMPT=0)")
         if softcap:
             out, lse = softcap_attention_forward(q, k, v, meta, window, scale, softcap)
             return out, SoftcapState(lse)
@@ -140,6 +149,12 @@ class AttentionBackend:
             if res is not None:
                 return res
         if meta.path == "varlen" and self.use_flash and flash_ok(q):
+            if meta.kv_index is not None:  # shared prompts: the key segments, gathered
+                kg, vg = gather_kv(k, v, meta.kv_index)
+                out, lse, rng = flash_forward(q, kg, vg, meta.cu_seqlens, meta.max_seqlen,
+                                              window, scale, meta.cu_seqlens_k,
+                                              meta.max_seqlen_k)
+                return out, FlashState(lse, rng)
             out, lse, rng = flash_forward(q, k, v, meta.cu_seqlens, meta.max_seqlen, window,
                                           scale)
             if sinks is not None:
@@ -169,6 +184,12 @@ class AttentionBackend:
                 state = None
         if isinstance(state, GraphState):
             return torch.autograd.grad(state.out, state.leaves, dout)
+        if isinstance(state, FlashState) and meta.kv_index is not None:
+            kg, vg = gather_kv(k, v, meta.kv_index)  # again: cheaper than keeping them
+            dq, dkg, dvg = flash_backward(dout, q, kg, vg, out, state.lse, state.rng,
+                                          meta.cu_seqlens, meta.max_seqlen, window, scale,
+                                          meta.cu_seqlens_k, meta.max_seqlen_k)
+            return (dq, *scatter_kv_grads(dkg, dvg, meta.kv_index, k.shape))
         if isinstance(state, FlashState):
             grads = flash_backward(dout, q, k, v, out, state.lse, state.rng, meta.cu_seqlens,
                                    meta.max_seqlen, window, scale)

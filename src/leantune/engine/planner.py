@@ -101,6 +101,18 @@ class Workload:
     # (rows = batch_size x G, KV slots = longest prompt + max completion, prompt tokens of the
     # prefill); None: no generation inside the step
     generation: tuple[int, int, int] | None = None
+    # shared-prompt pairs (data/preference.py): `tokens` still bounds a pass (a row holds at
+    # most two sequences' worth), and attention gathers k/v per layer (gathered_kv_bytes)
+    shared_prompt: bool = False
+
+
+def gathered_kv_bytes(w: Workload) -> float:
+    """Shared prompts: the per-layer temporaries of attention over gathered keys: k/v of the
+    key segments [Nk, kv] (a prompt's rows twice: Nk <= 1.5 x tokens, the prompt at most half a
+    pair's two sequences) and, in backward, their gradients before they are summed back."""
+    if not w.shared_prompt:
+        return 0.0
+    return 4 * 1.5 * w.tokens * w.cfg.kv_size * w.itemsize
 
 
 class BudgetTooSmall(Exception):
@@ -127,8 +139,9 @@ def kept_bytes(w: Workload, keep: Keep) -> int:
         if keep == Keep.ALL:
             c = w.cfg
             routed = 2 * c.moe.top_k * c.hidden_size if c.moe else 0
+            gathered = 3 * c.kv_size if w.shared_prompt else 0  # k/v of the key segments
             return int(ACT_FACTOR * w.itemsize * w.tokens * (
-                8 * c.hidden_size + 3 * c.mlp_width + 3 * c.kv_size + routed))
+                8 * c.hidden_size + 3 * c.mlp_width + 3 * c.kv_size + routed + gathered))
         return w.tokens * w.itemsize * w.cfg.hidden_size  # torch.utils.checkpoint: its input
     return FusedExecutor.kept_bytes(w.cfg, w.tokens, keep, w.itemsize, w.lora_ranks)
 
@@ -155,7 +168,8 @@ def working_set_bytes(w: Workload) -> float:
         return (AUTOGRAD_HEADROOM_GIB * 2**30
                 + AUTOGRAD_HEADROOM_LAYERS * kept_bytes(w, Keep.ALL))
     return (HEADROOM_GIB * 2**30 + HEADROOM_HIDDEN * w.itemsize * w.cfg.hidden_size * w.tokens
-            + mlp_chunk_bytes(w) + FusedExecutor.qk_norm_bytes(w.cfg, w.tokens, w.itemsize))
+            + mlp_chunk_bytes(w) + FusedExecutor.qk_norm_bytes(w.cfg, w.tokens, w.itemsize)
+            + gathered_kv_bytes(w))
 
 
 def loss_working_bytes(w: Workload, chunk_bytes: int | None = None) -> float:
@@ -177,7 +191,7 @@ def reference_pass_bytes(w: Workload, chunk_bytes: int | None = None) -> float:
     before the policy's forward, so it adds to no other phase: the step's peak is the larger."""
     one = w.tokens * w.cfg.intermediate_size * w.itemsize
     layer = HEADROOM_HIDDEN * w.itemsize * w.cfg.hidden_size * w.tokens + 3 * one
-    return layer + loss_working_bytes(w, chunk_bytes)
+    return layer + gathered_kv_bytes(w) / 2 + loss_working_bytes(w, chunk_bytes)
 
 
 def kv_cache_bytes(cfg, rows: int, slots: int, itemsize: int) -> int:

@@ -14,6 +14,15 @@ it; nothing here reads device memory back to the host. Paths:
   device (`cache_attention`), so a decode step has static shapes and reads nothing back.
 Sliding-window layers (Mistral) attend to the previous `window` tokens including themselves.
 
+Shared prompts (preference pairs, data/preference.py): one document [prompt | chosen | rejected]
+per pair; its query segments are [prompt + chosen] and [rejected], and the rejected segment's
+keys are the prompt's rows gathered again followed by its own (`shared_kv_index`): k/v are
+gathered as k_flat[kv_index] with key segments of their own (cu_seqlens_k), and flash's causal
+mask, bottom-right aligned when a segment has more keys than queries, lets rejected token i see
+the prompt and rejected[0..i], never chosen. The mask path builds the same visibility from the
+segment lengths (`segment_masks`). Soft-capping and sinks are refused for such batches (the
+preference objective packs those models' pairs unshared).
+
 Attention sinks (gpt-oss): a learned logit per head joins every softmax's denominator and
 attends to nothing, so a query may give less than all of its weight to the keys. Neither SDPA
 nor varlen_attn takes one. On the varlen and causal paths they are added on top of flash
@@ -57,7 +66,10 @@ class AttentionMeta:
         exact for full-window layers, and the fastest kernels apply).
     kv_cache: "cache" path: the KV cache (leantune.generate.cache.KVCache); a layer calls
         kv_cache.update(layer_idx, k, v) with its new k/v [B, T, Hk, D] and attends over the
-        [B, S, Hk, D] buffers it returns, masks[window] being [B, 1, T, S]."""
+        [B, S, Hk, D] buffers it returns, masks[window] being [B, 1, T, S].
+    kv_index / cu_seqlens_k / max_seqlen_k: shared-prompt batches (module docstring): [Nk]
+        int64 rows each key segment gathers, [segments + 1] int32 key segments, their longest
+        (host int); None / 0 otherwise."""
 
     path: str
     cu_seqlens: torch.Tensor | None = None
@@ -65,15 +77,28 @@ class AttentionMeta:
     masks: dict = field(default_factory=dict)
     one_document_rows: bool = False
     kv_cache: object | None = None
+    kv_index: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_k: int = 0
 
     @classmethod
     def build(cls, batch_shape: tuple[int, int], device: torch.device, seq_lens: list[int] | None,
               cu_seqlens: torch.Tensor | None, max_seqlen: int, windows: set,
-              dtype: torch.dtype = torch.bfloat16, path: str | None = None) -> "AttentionMeta":
+              dtype: torch.dtype = torch.bfloat16, path: str | None = None,
+              kv_index: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
+              max_seqlen_k: int = 0, seq_lens_k: list[int] | None = None) -> "AttentionMeta":
         """Metadata for a [B, T] batch whose segments have the host-side lengths `seq_lens`
-        (None: one document per row). `path` forces a path (tests, benchmarks); None chooses."""
+        (None: one document per row). `path` forces a path (tests, benchmarks); None chooses.
+        kv_index, cu_seqlens_k, max_seqlen_k, seq_lens_k: a shared-prompt batch's key segments
+        (PackedBatch; module docstring), None for any other."""
         B, T = batch_shape
-        single_doc = seq_lens is None or len(seq_lens) == B
+        shared = kv_index is not None
+        single_doc = not shared and (seq_lens is None or len(seq_lens) == B)
+        if shared and (not seq_lens or not seq_lens_k):
+            raise ValueError("a shared-prompt batch needs the host lengths seq_lens and seq_lens_k")
+        if shared and path == "causal":
+            raise ValueError("a shared-prompt batch runs on the varlen or mask attention path, "
+                             "not causal")
         if path is None:
             if device.type == "cuda" and HAS_VARLEN and dtype in (torch.float16, torch.bfloat16):
                 path = "varlen"
@@ -88,29 +113,100 @@ class AttentionMeta:
                 seq_lens = seq_lens or [T] * B
                 cu_seqlens = _cu_from_lens(seq_lens, device)
                 max_seqlen = max(seq_lens)
-            return cls("varlen", cu_seqlens.to(device=device, dtype=torch.int32), max_seqlen,
+            meta = cls("varlen", cu_seqlens.to(device=device, dtype=torch.int32), max_seqlen,
                        one_document_rows=single_doc)
+            if shared:
+                if cu_seqlens_k is None:
+                    cu_seqlens_k = _cu_from_lens(seq_lens_k, device)
+                meta.kv_index = kv_index.to(device, non_blocking=True)
+                meta.cu_seqlens_k = cu_seqlens_k.to(device=device, dtype=torch.int32)
+                meta.max_seqlen_k = max_seqlen_k or max(seq_lens_k)
+            return meta
         if path == "causal":
             return cls("causal", one_document_rows=True)
         # "mask": block-diagonal causal masks, one per distinct window, built on the host.
         seq_lens = seq_lens or [T] * B
-        doc = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(seq_lens)).view(B, T)
-        pos = torch.arange(T)
-        causal = pos[None, :, None] >= pos[None, None, :]
-        same = doc[:, :, None] == doc[:, None, :]
-        masks = {}
-        for w in windows:
-            m = causal & same
-            if w is not None:
-                m = m & ((pos[:, None] - pos[None, :]) < w)[None]
-            masks[w] = m[:, None].to(device, non_blocking=True)
-        return cls("mask", masks=masks, one_document_rows=single_doc)
+        masks = segment_masks(seq_lens, seq_lens_k if shared else None, B, T, windows)
+        masks = {w: m.to(device, non_blocking=True) for w, m in masks.items()}
+        meta = cls("mask", masks=masks, one_document_rows=single_doc)
+        if shared:
+            meta.kv_index, meta.max_seqlen_k = kv_index, max_seqlen_k or max(seq_lens_k)
+        return meta
+
+
+def segment_masks(seq_lens: list[int], seq_lens_k: list[int] | None, B: int, T: int,
+                  windows: set) -> dict:
+    """window -> bool [B, 1, T, T] on the host: token q sees token k when both are in one
+    document, k's position is not after q's (within `window` of it), and k is no other
+    completion's token. Without `seq_lens_k` every segment is a document of its own (causal by
+    position = by index). With it (shared prompts), a segment s whose keys outnumber its queries
+    (p = seq_lens_k[s] - seq_lens[s] > 0) is a rejected completion: it belongs to segment s-1's
+    document, whose first p tokens are the prompt, and its positions continue from p."""
+    q = torch.tensor(seq_lens, dtype=torch.long)
+    S = q.numel()
+    pre = (torch.tensor(seq_lens_k, dtype=torch.long) - q) if seq_lens_k is not None else (
+        torch.zeros(S, dtype=torch.long))
+    seg = torch.repeat_interleave(torch.arange(S), q)  # [B*T]
+    cu = torch.cumsum(q, 0) - q
+    off = torch.arange(seg.numel()) - cu[seg]
+    rejected = pre > 0
+    group = (torch.arange(S) - rejected.long())[seg]  # a rejected segment joins its prompt's
+    nxt = torch.cat([pre[1:], pre.new_zeros(1)])  # the next segment's prompt: this one's
+    prompt_len = torch.where(nxt > 0, nxt, q)[seg]  # (a plain document: all "prompt")
+    pos = off + pre[seg]
+    branch = torch.where(rejected[seg], 2, (off >= prompt_len).long())  # 0 prompt, 1, 2
+    group, pos, branch = group.view(B, T), pos.view(B, T), branch.view(B, T)
+    base = ((group[:, :, None] == group[:, None, :]) & (pos[:, :, None] >= pos[:, None, :])
+            & ((branch[:, None, :] == 0) | (branch[:, :, None] == branch[:, None, :])))
+    masks = {}
+    for w in windows:
+        m = base if w is None else base & ((pos[:, :, None] - pos[:, None, :]) < w)
+        masks[w] = m[:, None]
+    return masks
+
+
+def shared_kv_index(seq_lens: list[int], seq_lens_k: list[int]) -> torch.Tensor:
+    """[sum(seq_lens_k)] int64 flat row indices the key/value segments gather: key segment s
+    is the first p = seq_lens_k[s] - seq_lens[s] rows of query segment s-1 (a pair's prompt,
+    for its rejected completion), then query segment s's own rows; p = 0 (any other segment):
+    its own rows. Built on the host once per batch."""
+    q = torch.tensor(seq_lens, dtype=torch.long)
+    k = torch.tensor(seq_lens_k, dtype=torch.long)
+    pre = k - q
+    prev = torch.cat([q.new_zeros(1), q[:-1]])
+    if len(seq_lens) != len(seq_lens_k) or (pre < 0).any() or (pre > prev).any():
+        raise ValueError("shared_kv_index: each key segment holds its query segment, plus at "
+                         "most the previous segment's tokens")
+    cu = torch.cumsum(q, 0) - q  # each query segment's first row
+    segk = torch.repeat_interleave(torch.arange(len(seq_lens)), k)
+    j = torch.arange(segk.numel()) - (torch.cumsum(k, 0) - k)[segk]  # offset in its segment
+    p = pre[segk]
+    start_prev = cu[(segk - 1).clamp(min=0)]
+    return torch.where(j < p, start_prev + j, cu[segk] + j - p)
 
 
 def _cu_from_lens(seq_lens: list[int], device) -> torch.Tensor:
     cu = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(seq_lens, dtype=torch.int32), 0)
     return cu.to(device, non_blocking=True)
+
+
+def gather_kv(k: torch.Tensor, v: torch.Tensor, kv_index: torch.Tensor):
+    """k/v [N, Hk, D] (or [B, T, Hk, D]) -> their rows kv_index, [Nk, Hk, D] each."""
+    k, v = k.reshape(-1, *k.shape[-2:]), v.reshape(-1, *v.shape[-2:])
+    return k.index_select(0, kv_index), v.index_select(0, kv_index)
+
+
+def scatter_kv_grads(dk_g: torch.Tensor, dv_g: torch.Tensor, kv_index: torch.Tensor,
+                     shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
+    """gather_kv's backward: the gathered rows' gradients [Nk, Hk, D] summed back onto the
+    token rows (a prompt row gets both of its segments'), shaped `shape` ([B, T, Hk, D]). A
+    row takes at most two terms, so the sum is the same in any order (deterministic)."""
+    out = []
+    for g in (dk_g, dv_g):
+        rows = g.new_zeros((shape[:-2].numel(), *g.shape[1:]))
+        out.append(rows.index_add_(0, kv_index, g).view(shape))
+    return out[0], out[1]
 
 
 SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)  # enable_gqa kwarg
@@ -178,6 +274,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attention
     (module docstring). `softcap` (Gemma 2): the scores are soft-capped, computed whole on the
     mask and cache paths, in query blocks elsewhere (model/softcap_attention.py)."""
     B, T, Hq, D = q.shape
+    if meta.kv_index is not None and (softcap or sinks is not None):
+        raise ValueError("attention soft-capping and sinks do not run on shared-prompt batches; "
+                         "pack the pairs unshared (LEANTUNE_SHARED_PROMPT=0)")
     if softcap:
         if meta.path in ("mask", "cache"):
             return _scores_attention(q, k, v, meta.masks[window], scale, sinks, softcap)
@@ -201,8 +300,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attention
         kw = {"scale": scale, "window_size": (window - 1 if window else -1, 0)}
         if "enable_gqa" in _VARLEN_PARAMS:
             kw["enable_gqa"] = k.shape[2] != Hq
-        out = _varlen_attn(q.reshape(B * T, Hq, D), k.reshape(B * T, -1, D),
-                           v.reshape(B * T, -1, D), meta.cu_seqlens, meta.cu_seqlens,
-                           meta.max_seqlen, meta.max_seqlen, **kw)
+        k, v = k.reshape(B * T, -1, D), v.reshape(B * T, -1, D)
+        cu_k, max_k = meta.cu_seqlens, meta.max_seqlen
+        if meta.kv_index is not None:  # shared prompts: the keys' own segments, gathered
+            k, v = gather_kv(k, v, meta.kv_index)  # (index_select: backward sums duplicates)
+            cu_k, max_k = meta.cu_seqlens_k, meta.max_seqlen_k
+        out = _varlen_attn(q.reshape(B * T, Hq, D), k, v, meta.cu_seqlens, cu_k,
+                           meta.max_seqlen, max_k, **kw)
         return out.view(B, T, Hq, D)
     return _sdpa(q, k, v, scale, attn_mask=meta.masks[window])

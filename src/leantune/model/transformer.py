@@ -30,6 +30,14 @@ from .moe import MoEBlock, load_balancing_loss
 from .rope import longrope_original, rope_cos_sin, rope_inv_freq
 
 
+def _shared_kv(batch: PackedBatch | None) -> dict:
+    """A shared-prompt batch's key segments for AttentionMeta.build (empty for any other)."""
+    if batch is None or getattr(batch, "kv_index", None) is None:
+        return {}
+    return {"kv_index": batch.kv_index, "cu_seqlens_k": batch.cu_seqlens_k,
+            "max_seqlen_k": batch.max_seqlen_k, "seq_lens_k": batch.seq_lens_k}
+
+
 class Backbone(nn.Module):
     """HF's `model.` prefix: embeddings, layers, final norm."""
 
@@ -47,6 +55,9 @@ class CausalLMOutput:
     loss_sum: torch.Tensor | None = None  # summed fp32 next-token loss over a PackedBatch
     aux_loss: torch.Tensor | None = None  # MoE load-balancing loss (with `router_aux_loss`)
     token_logps: torch.Tensor | None = None  # [B*T] fp32 log p(label) per token (`token_logps`)
+    # [N_t] fp32 log p(target) per entry of the batch's target list (`token_logps` on a batch
+    # with target_ids: shared prompts; token_logps is None then)
+    target_logps: torch.Tensor | None = None
 
 
 class CausalLM(nn.Module):
@@ -170,7 +181,7 @@ class CausalLM(nn.Module):
                 cu_seqlens=batch.cu_seqlens if batch is not None else None,
                 max_seqlen=batch.max_seqlen if batch is not None else T,
                 windows={layer.self_attn.window for layer in self.layers}, dtype=x.dtype,
-                path=self.attention_path)
+                path=self.attention_path, **_shared_kv(batch))
         for layer in self.layers:
             x = layer(x, *tables[layer.rope_key], meta)
         return self.model.norm(x)
@@ -188,7 +199,9 @@ class CausalLM(nn.Module):
 
         With a PackedBatch and `token_logps`: only `token_logps` [B*T] fp32, log p(labels[b, t])
         per token (0 where the label is IGNORE_INDEX), through `kernels.token_logprobs`: chunked
-        over rows on the Triton path (no [tokens, vocab] tensor), with a per-token backward."""
+        over rows on the Triton path (no [tokens, vocab] tensor), with a per-token backward.
+        A batch with an explicit target list (batch.target_ids: shared prompts, where a row
+        predicts two targets) gives `target_logps` [N_t] instead, one per entry."""
         if batch is not None:
             input_ids, position_ids = batch.input_ids, batch.position_ids
         h, aux = self._hidden_states_and_aux(input_ids, position_ids, batch)
@@ -202,6 +215,13 @@ class CausalLM(nn.Module):
         if token_logps:
             if batch is None:
                 raise ValueError("token_logps needs a PackedBatch (its labels are pre-shifted)")
+            if batch.target_ids is not None:  # the target list: rows may repeat
+                rows = batch.target_rows.to(h.device, non_blocking=True)
+                return CausalLMOutput(target_logps=kernels.token_logprobs(
+                    h.flatten(0, 1).index_select(0, rows), self.output_weight(),
+                    batch.target_ids.to(h.device, non_blocking=True),
+                    softcap=self.config.final_softcap, chunk_bytes=self.loss_chunk_bytes),
+                    aux_loss=aux)
             h2, labels2, rows = self._head_rows(h, batch)
             logp = kernels.token_logprobs(h2, self.output_weight(), labels2,
                                           softcap=self.config.final_softcap,

@@ -81,6 +81,9 @@ class ObjectiveSettings:
     undesirable_weight: float = 1.0  # KTO: the weight of undesirable rows
     precompute_reference: bool = False  # reference log-probs once, before training
     max_prompt_len: int | None = None  # prompt tokens kept (cut from the left); None: no cap
+    # pairs packed as one document [prompt | chosen | rejected], the prompt run once (DPO,
+    # ORPO, SimPO; train/objectives/preference.py); false: two documents a pair, as before
+    shared_prompt: bool = True
     # GRPO (train/objectives/grpo.py; defaults as TRL's GRPOConfig)
     reward: list = field(default_factory=list)  # FILE.py:FUNCTION or builtin:NAME, repeatable
     reward_weights: list | None = None  # one weight per --reward (default 1 each)
@@ -101,6 +104,7 @@ class ObjectiveSettings:
 APPLIES_TO = {"label_smoothing": ("dpo", "simpo"),
               "simpo_gamma": ("simpo",), "desirable_weight": ("kto",),
               "undesirable_weight": ("kto",), "precompute_reference": ("dpo",),
+              "shared_prompt": ("dpo", "orpo", "simpo"),
               "loss_type": ("dpo", "grpo"),
               **{k: ("grpo",) for k in ("reward", "reward_weights", "num_generations",
                                         "max_completion_tokens", "temperature", "top_p",

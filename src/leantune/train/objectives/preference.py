@@ -7,6 +7,14 @@ packed rows (chosen 2i, rejected 2i + 1), or R KTO rows as 2R documents (row 2i,
 document come from the packed rows' cu_seqlens (`kernels.segment_sum`, no host sync), and the
 losses of train/losses/preference.py turn them into the loss.
 
+Shared prompts (the pair objectives, on by default; ``shared_prompt: false``, --no-shared-prompt
+or LEANTUNE_SHARED_PROMPT=0 switch it off): a pair is packed as one document [prompt | chosen |
+rejected] whose rejected tokens attend to the prompt, never to chosen, so the prompt runs once in
+the policy and the reference pass (at 512 + 512 + 512 tokens, 3/4 of the tokens). The forward
+then gives one log-prob per entry of the batch's target list, summed per document over its
+target_cu: the same sums. Models with attention soft-capping or sinks pack unshared (one log
+line). KTO stays unshared (its rows are not pairs).
+
 The reference model (DPO, KTO) is the base with the adapter switched off
 (`lora.adapters_disabled`): the same weights, run under torch.no_grad, so no second copy, no
 gradients and nothing kept for backward; without a graph the layers run their plain forward on
@@ -32,6 +40,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -91,7 +100,8 @@ class PreferenceLoader:
     state_dict / load_state_dict (refused when the data or batching changed)."""
 
     def __init__(self, dataset, batch_size: int, max_seq_len: int, seed: int = 0,
-                 shuffle: bool = True, pad_id: int = 0, split: str = "train"):
+                 shuffle: bool = True, pad_id: int = 0, split: str = "train",
+                 shared_prompt: bool = False):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
             raise LeantuneError(f"--batch-size must be a positive integer, got {batch_size!r}")
         if len(dataset) == 0:
@@ -99,6 +109,8 @@ class PreferenceLoader:
         self.dataset, self.batch_size, self.max_seq_len = dataset, batch_size, max_seq_len
         self.seed, self.shuffle, self.pad_id, self.split = int(seed), bool(shuffle), pad_id, split
         self.kind = getattr(dataset, "kind", "pairs")
+        # pairs as shared-prompt documents (data/preference.py _pack_shared); KTO never
+        self.shared_prompt = bool(shared_prompt) and self.kind == "pairs"
         self.epoch = self.batch_index = 0
         self._cls = _batch_classes()
 
@@ -121,8 +133,12 @@ class PreferenceLoader:
         """The batch of dataset items `idx` (in that order)."""
         from ...data.preference import pack_kto_batch, pack_preference_batch
 
-        pack = pack_kto_batch if self.kind == "kto" else pack_preference_batch
-        b = pack([self.dataset[i] for i in idx], self.max_seq_len, pad_id=self.pad_id)
+        items = [self.dataset[i] for i in idx]
+        if self.kind == "kto":
+            b = pack_kto_batch(items, self.max_seq_len, pad_id=self.pad_id)
+        else:
+            b = pack_preference_batch(items, self.max_seq_len, pad_id=self.pad_id,
+                                      shared=self.shared_prompt)
         return self._cls(**{f.name: getattr(b, f.name) for f in fields(b)},
                          items=torch.tensor(idx, dtype=torch.long), split=self.split)
 
@@ -183,10 +199,19 @@ def document_logps(token_logps: torch.Tensor, batch) -> torch.Tensor:
     return out.index_put((slot,), seg)[:D]
 
 
+def output_logps(out, batch) -> torch.Tensor:
+    """[D] summed log-probs of each document from a token_logps forward's output: over the
+    target list's documents (target_cu: shared prompts) where the output has one log-prob per
+    target, else `document_logps` of the per-token ones."""
+    if out.target_logps is not None:
+        return segment_sum(out.target_logps, batch.batch.target_cu)
+    return document_logps(out.token_logps, batch)
+
+
 def policy_logps(model, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
     """([D] summed completion log-probs of the policy, MoE aux loss or None)."""
     out = model(batch=batch.batch, token_logps=True)
-    return document_logps(out.token_logps, batch), out.aux_loss
+    return output_logps(out, batch), out.aux_loss
 
 
 @torch.no_grad()
@@ -197,11 +222,27 @@ def reference_logps(model, batch) -> torch.Tensor:
 
     with adapters_disabled(model):
         out = model(batch=batch.batch, token_logps=True)
-    return document_logps(out.token_logps, batch)
+    return output_logps(out, batch)
 
 
 def _has_lora(model) -> bool:
     return any(getattr(m, "has_lora", False) for m in model.modules())
+
+
+SHARED_PROMPT_ENV = "LEANTUNE_SHARED_PROMPT"
+
+
+def shared_prompt_unsupported(model) -> str | None:
+    """Why `model`'s attention can't run shared-prompt batches (None: it can): soft-capped
+    scores (Gemma 2) and attention sinks (gpt-oss) have kernels over plain documents only."""
+    inner = getattr(model, "module", model)
+    for layer in getattr(inner, "layers", ()):
+        attn = getattr(layer, "self_attn", None)
+        if getattr(attn, "softcap", None):
+            return "attention soft-capping"
+        if getattr(attn, "sinks", None) is not None:
+            return "attention sinks"
+    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -227,6 +268,10 @@ class PreferenceObjective(Objective):
         self.beta = L._check_beta(self.default_beta if beta is None else beta)
         self.precompute = bool(getattr(s, "precompute_reference", False))
         self.max_prompt_len = getattr(s, "max_prompt_len", None)
+        # pairs packed with the prompt once (module docstring); prepare() checks the model
+        self.shared_prompt = (self.kind == "pairs"
+                              and getattr(s, "shared_prompt", True) is not False
+                              and os.environ.get(SHARED_PROMPT_ENV, "1") != "0")
         if self.precompute and not self.needs_reference:
             raise LeantuneError(f"--precompute-reference: --objective {self.name} uses no "
                                 "reference model; leave the flag out")
@@ -313,7 +358,8 @@ class PreferenceObjective(Objective):
         cfg = self.cfg
         loader = PreferenceLoader(data, cfg.batch_size, cfg.max_seq_len, seed=cfg.seed,
                                   shuffle=shuffle, pad_id=getattr(data, "pad_id", 0),
-                                  split="train" if shuffle else "eval")
+                                  split="train" if shuffle else "eval",
+                                  shared_prompt=self.shared_prompt)
         if not shuffle:
             self.eval_loader = loader  # (prepare: its reference log-probs too)
         return loader
@@ -338,7 +384,22 @@ class PreferenceObjective(Objective):
         return sum(getattr(b, "global_units", b.num_units) for b in micro_batches)
 
     def tokens(self, micro_batches) -> int:
-        return sum(b.batch.num_real_tokens for b in micro_batches)
+        """Tokens of both sequences of each pair (a shared prompt counted twice, so tokens/s
+        means the same with the switch on or off)."""
+        return sum(getattr(b, "sequence_tokens", 0) or b.batch.num_real_tokens
+                   for b in micro_batches)
+
+    def check_shared_prompt(self, model, loaders) -> None:
+        """Pack unshared (one log line) where the model's attention can't take shared prompts."""
+        why = shared_prompt_unsupported(model) if self.shared_prompt else None
+        if why is None:
+            return
+        self.shared_prompt = False
+        for loader in loaders:
+            if loader is not None:
+                loader.shared_prompt = False
+        self.log(f"note: pairs packed with the prompt twice ({why} runs on plain documents "
+                 "only): slower than the shared-prompt layout")
 
     def reference(self, model, batch) -> torch.Tensor | None:
         """[D] reference log-probs of the batch's documents: from the precomputed table for
@@ -388,6 +449,7 @@ class PreferenceObjective(Objective):
         (rank 0, atomically). A file with another fingerprint is refused in one line. (A resume
         reads the file: the adapter-off model is the same, but with --full the weights have
         trained, so the file is what keeps the reference fixed.)"""
+        self.check_shared_prompt(model, (train_loader, self.eval_loader))
         if not (self.precompute and self.needs_reference):
             return
         device = getattr(parallel, "device", None) or next(model.parameters()).device
@@ -599,4 +661,5 @@ PREFERENCE_OBJECTIVES = {"dpo": DPOObjective, "orpo": ORPOObjective, "simpo": Si
 
 __all__ = ["DPOObjective", "KTOObjective", "ORPOObjective", "PREFERENCE_OBJECTIVES",
            "PreferenceLoader", "PreferenceObjective", "SimPOObjective", "document_logps",
-           "load_reference", "policy_logps", "reference_logps", "save_reference"]
+           "load_reference", "output_logps", "policy_logps", "reference_logps", "save_reference",
+           "shared_prompt_unsupported"]

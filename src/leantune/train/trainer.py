@@ -225,7 +225,8 @@ class Trainer(StepRunner):
                         options=options, expert_lora=has_expert_lora(m),
                         reference_pass=getattr(self.objective, "needs_reference", False),
                         reference_bytes=self.reference_bytes,
-                        generation=getattr(self.objective, "generation_shape", None))
+                        generation=getattr(self.objective, "generation_shape", None),
+                        shared_prompt=getattr(self.objective, "shared_prompt", False))
         policy = cfg.activations
         if policy == "auto" and cuda:
             fixed = self._fixed_bytes()

@@ -46,6 +46,7 @@ except ImportError:  # the package works without Triton (reference path only)
 MAX_TOKENS = 16  # new tokens per row the kernel takes (more: prefill, SDPA's job)
 SPLIT_SLOTS = 256  # a cache of more slots is split in chunks of at least this many
 BLOCK_N = 64  # slots per block on the GPU
+STAGE_BYTES = 128 * 1024  # shared memory for the k / v blocks in flight (H100/H200: 227 KB)
 LOG2E = 1.4426950408889634
 
 
@@ -124,6 +125,8 @@ if triton is not None:
             kv_mask = nmask[:, None] & dmask[None, :]
             k = tl.load(K + b * sk_b + n[:, None] * sk_s + kh * sk_h + d[None, :],
                         mask=kv_mask, other=0.0)
+            v = tl.load(V + b * sv_b + n[:, None] * sv_s + kh * sv_h + d[None, :],
+                        mask=kv_mask, other=0.0)  # (issued with k's: both loads in flight)
             s = _dot(q, tl.trans(k), F32_DOT) * scale_log2
             back = qslot[:, None] - n[None, :]  # i - j
             ok = (back >= 0) & (n[None, :] >= pad)
@@ -135,8 +138,6 @@ if triton is not None:
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf
             p = tl.exp2(s - m_safe[:, None])
             alpha = tl.exp2(m_i - m_safe)
-            v = tl.load(V + b * sv_b + n[:, None] * sv_s + kh * sv_h + d[None, :],
-                        mask=kv_mask, other=0.0)
             acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, F32_DOT)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
@@ -166,7 +167,7 @@ if triton is not None:
         sum into MP / LP [B * Hk, splits, BLOCK_M] (fp32), for _merge_chunks_kernel."""
         bh = tl.program_id(0)
         chunk = tl.program_id(1)
-        b = bh // Hk
+        b = (bh // Hk).to(tl.int64)  # (b * stride: past 2^31 in large caches)
         kh = bh % Hk
         acc, m_i, l_i = _attend_chunk(
             Q, K, V, PAD, START, b, kh, T, chunk * CHUNK, tl.minimum(chunk * CHUNK + CHUNK, S),
@@ -207,7 +208,7 @@ if triton is not None:
             l_i = l_i * alpha + tl.load(LP + part * BLOCK_M + mrow) * beta
             m_i = m_new
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
-        _store_out(O, acc / l_i[:, None], bh // Hk, bh % Hk, T, so_b, so_t, so_h,
+        _store_out(O, acc / l_i[:, None], (bh // Hk).to(tl.int64), bh % Hk, T, so_b, so_t, so_h,
                    REP, D, BLOCK_M, BLOCK_D)
 
 
@@ -238,13 +239,15 @@ def _launch(q, k, v, pad, start, window, scale, splits, block_n) -> torch.Tensor
     else:
         o_part = m_part = l_part = out  # unused
     warps = 4 if block_m * block_d <= 64 * 128 else 8
+    stage = 2 * block_n * block_d * k.element_size()  # a k and a v block in shared memory
+    stages = max(1, min(3, STAGE_BYTES // stage))  # blocks in flight (3 at D 128 in bf16)
     _decode_attention_kernel[(B * Hk, splits)](
         q, k, v, out, o_part, m_part, l_part, pad, start, Hk, T, S, chunk, window or 0,
         scale * LOG2E, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1),
         out.stride(2), REP=rep, D=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_WINDOW=window is not None, SPLIT=splits > 1,
-        F32_DOT=q.dtype == torch.float32 or not q.is_cuda, num_warps=warps, num_stages=2)
+        F32_DOT=q.dtype == torch.float32 or not q.is_cuda, num_warps=warps, num_stages=stages)
     if splits > 1:
         _merge_chunks_kernel[(B * Hk,)](
             out, o_part, m_part, l_part, Hk, T, splits, out.stride(0), out.stride(1),

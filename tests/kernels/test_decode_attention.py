@@ -4,6 +4,7 @@ decoding gives the same tokens with the kernel on and off."""
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -157,23 +158,35 @@ def test_greedy_decoding_is_the_same_with_the_kernel_on_and_off(family, monkeypa
     assert [r.token_ids for r in on] == [r.token_ids for r in off]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_captured_in_a_cuda_graph_follows_start():
-    """Captured once, replayed after moving `start` on the device: the reference's values."""
+ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+@pytest.mark.skipif(not ON_GPU, reason="compiled kernels: a GPU with TRITON_INTERPRET=0")
+@pytest.mark.parametrize("slots", [256, 1024])  # one kernel; chunks and the merge kernel
+@pytest.mark.parametrize("T,window", [(1, None), (4, None), (1, 100)])
+def test_gpu_matches_and_is_captured_in_a_cuda_graph(slots, T, window):
+    """The Llama-3.1-8B attention shape (32 q heads over 8 kv heads, head_dim 128) in bf16:
+    the reference's values, then captured once and replayed after moving `start` on the
+    device. Run: TRITON_INTERPRET=0 pytest tests/kernels/test_decode_attention.py -k gpu"""
     dev = torch.device("cuda")
-    B, Hq, Hk, D, slots = 2, 32, 8, 128, 1024  # split in chunks on the GPU
+    B, Hq, Hk, D = 2, 32, 8, 128
     k = torch.randn(B, slots, Hk, D, device=dev, dtype=torch.bfloat16)
     v = torch.randn_like(k)
-    q = torch.randn(B, 1, Hq, D, device=dev, dtype=torch.bfloat16)
+    q = torch.randn(B, T, Hq, D, device=dev, dtype=torch.bfloat16)
     pad = torch.tensor([0, 30], device=dev)
     start = torch.tensor([100], device=dev)
     for _ in range(2):  # compile outside the capture
-        decode_attention(q, k, v, pad, start, None, D ** -0.5)
+        decode_attention(q, k, v, pad, start, window, D ** -0.5)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = decode_attention(q, k, v, pad, start, None, D ** -0.5)
-    for s in (100, 517, 1023):
+        out = decode_attention(q, k, v, pad, start, window, D ** -0.5)
+    for s in (100, slots // 2 + 3, slots - T):
         start.fill_(s)
         graph.replay()
-        ref = decode_attention_reference(q, k, v, pad, start, None, D ** -0.5)
+        ref = decode_attention_reference(q, k, v, pad, start, window, D ** -0.5)
         torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(decode_attention(q.float(), k.float(), v.float(), pad, start,
+                                                    window, D ** -0.5),
+                                   decode_attention_reference(q.float(), k.float(), v.float(),
+                                                              pad, start, window, D ** -0.5),
+                                   rtol=1e-4, atol=1e-4)

@@ -4,6 +4,7 @@ decoding gives the same tokens with the kernel on and off."""
 
 from __future__ import annotations
 
+import importlib
 import os
 from types import SimpleNamespace
 
@@ -14,7 +15,6 @@ from helpers import CONFIGS, model_for, one_torch_thread  # noqa: F401  (autouse
 from leantune import kernels
 from leantune.generate.cache import KVCache
 from leantune.generate.decode import decode
-from leantune.kernels import decode_attention as dattn_module
 from leantune.kernels.decode_attention import (
     decode_attention,
     decode_attention_on,
@@ -22,6 +22,9 @@ from leantune.kernels.decode_attention import (
     split_count,
 )
 from leantune.model.attention import cache_attention
+
+# the module (the package's `decode_attention` is the function)
+dattn_module = importlib.import_module("leantune.kernels.decode_attention")
 
 S = 37  # slots: not a multiple of any block
 

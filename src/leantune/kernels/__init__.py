@@ -7,6 +7,7 @@ from .rope import apply_rope, apply_rope_reference
 from .swiglu import act_code, geglu, geglu_reference, glu, swiglu, swiglu_reference
 from .cross_entropy import fused_linear_cross_entropy, linear_cross_entropy_reference
 from .token_logprobs import segment_sum, token_logprobs, token_logprobs_reference
+from .decode_attention import decode_attention, decode_attention_reference
 
 __all__ = [
     "backend", "get_backend", "set_backend", "use_triton",
@@ -15,4 +16,5 @@ __all__ = [
     "act_code", "glu", "swiglu", "swiglu_reference", "geglu", "geglu_reference",
     "fused_linear_cross_entropy", "linear_cross_entropy_reference",
     "token_logprobs", "token_logprobs_reference", "segment_sum",
+    "decode_attention", "decode_attention_reference",
 ]

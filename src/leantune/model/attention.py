@@ -231,11 +231,18 @@ def _sdpa(q, k, v, scale, **kw):
 
 
 def cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                    scale: float) -> torch.Tensor:
+                    scale: float, kv_cache=None, window: int | None = None) -> torch.Tensor:
     """q: [B, T, Hq, D] over cached k/v [B, S, Hk, D] where the bool `mask` [B, 1, T, S] allows
-    -> [B, T, Hq, D]. GQA without repeating k/v: the Hq / Hk query heads that share a k/v head
+    -> [B, T, Hq, D]. Given the KVCache `kv_cache` (its pad and start) and the layer's `window`,
+    a decode step (T <= 16) where Triton runs takes the decode attention kernel instead, the
+    same mask computed in-kernel (kernels/decode_attention.py; LEANTUNE_DECODE_ATTENTION=0: off).
+    Else SDPA, GQA without repeating k/v: the Hq / Hk query heads that share a k/v head
     (q head h reads k/v head h // rep) become rep * T queries of that head, so SDPA sees Hk heads
     and any of its kernels (the memory-efficient one with a mask on CUDA) applies."""
+    from ..kernels.decode_attention import decode_attention, decode_attention_on
+
+    if kv_cache is not None and decode_attention_on(q):
+        return decode_attention(q, k, v, kv_cache.pad, kv_cache.start, window, scale)
     B, T, Hq, D = q.shape
     Hk = k.shape[2]
     rep = Hq // Hk
@@ -292,7 +299,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attention
         rows = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)  # "causal"
         return sink_attention_varlen(q, k, v, sinks, rows, T, window, scale)
     if meta.path == "cache":
-        return cache_attention(q, k, v, meta.masks[window], scale)
+        return cache_attention(q, k, v, meta.masks[window], scale, meta.kv_cache, window)
     if meta.path == "causal" or (meta.path == "varlen" and meta.one_document_rows
                                  and window is None):
         return _sdpa(q, k, v, scale, is_causal=True)

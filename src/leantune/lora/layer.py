@@ -106,14 +106,18 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., in] -> [..., out]."""
+        # an adapter switched off (adapters_disabled: the preference objectives' reference pass)
+        # under no_grad: the base alone, without the rank-r products and a zero-scaled add over
+        # the whole output
+        off = self.lora_A is None or (self.scaling == 0 and not torch.is_grad_enabled())
         if self.quantized is not None:
             y = base_linear(x, self.base)
             y = y if self.bias is None else y + self.bias
-            if self.lora_A is None:
+            if off:
                 return y
             a, b = self.lora_A.weight.to(x.dtype), self.lora_B.weight.to(x.dtype)
             return y + F.linear(F.linear(self.lora_dropout(x), a), b) * self.scaling
-        if self.lora_A is None:
+        if off:
             return F.linear(x, self.base_weight(), self.bias)
         if isinstance(self.lora_dropout, nn.Identity) or not self.training:
             # base matmul + LoRA product in one autograd Function (lora/function.py)

@@ -7,6 +7,8 @@ from .rope import apply_rope, apply_rope_reference
 from .swiglu import act_code, geglu, geglu_reference, glu, swiglu, swiglu_reference
 from .cross_entropy import fused_linear_cross_entropy, linear_cross_entropy_reference
 from .token_logprobs import segment_sum, token_logprobs, token_logprobs_reference
+from .softcap_attention import (softcap_attention_bwd, softcap_attention_fwd,
+                                softcap_attention_reference)
 
 __all__ = [
     "backend", "get_backend", "set_backend", "use_triton",
@@ -15,4 +17,5 @@ __all__ = [
     "act_code", "glu", "swiglu", "swiglu_reference", "geglu", "geglu_reference",
     "fused_linear_cross_entropy", "linear_cross_entropy_reference",
     "token_logprobs", "token_logprobs_reference", "segment_sum",
+    "softcap_attention_fwd", "softcap_attention_bwd", "softcap_attention_reference",
 ]

@@ -32,15 +32,15 @@ def parse_args(argv=None):
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=256)
     ap.add_argument("--softcap", type=float, default=50.0)
-    ap.add_argument("--windows", type=int, nargs="+", default=[4096, 1024])
+    ap.add_argument("--windows", type=int, nargs="+", help="default: 4096 1024 (--tiny: 4096 9)")
     ap.add_argument("--layouts", nargs="+", default=["rows", "packed"], choices=["rows", "packed"],
                     help="rows: one document a row; packed: documents of 100-1500 tokens")
     ap.add_argument("--sweep", action="store_true",
-                    help="time the kernel at other block sizes too (LEANTUNE_SOFTCAP_BLOCKS)")
+                    help="time the kernel at other block sizes too (LEANTUNE_SOFTCAP_FWD/_BWD)")
     args = ap.parse_args(argv)
     if args.tiny:  # odd sizes: partial blocks, GQA, windows shorter than a document
         args.rows, args.seq, args.heads, args.kv_heads, args.head_dim = 2, 37, 4, 2, 32
-        args.windows = [4096, 9]
+    args.windows = args.windows or ([4096, 9] if args.tiny else [4096, 1024])
     return args
 
 
@@ -59,8 +59,13 @@ from leantune.model.attention import AttentionMeta  # noqa: E402
 from leantune.model.softcap_attention import (_doc_bounds, softcap_attention_backward,  # noqa
                                               softcap_attention_forward)
 
-# (fwd BLOCK_M, BLOCK_N, bwd BLOCK_M, BLOCK_N) tried by --sweep, beside the defaults
-SWEEP = ["128,64,64,64", "64,64,32,64", "64,32,32,32", "128,32,64,32", "64,64,64,32"]
+# "BLOCK_M,BLOCK_N,num_warps,num_stages" tried by --sweep (LEANTUNE_SOFTCAP_FWD / _BWD), beside
+# the defaults (kernels/softcap_attention.py); backward: BLOCK_N keys by BLOCK_M queries
+SWEEP = {"LEANTUNE_SOFTCAP_FWD": ["128,64,8,2", "64,64,4,2", "64,32,4,2", "128,32,8,2",
+                                  "64,64,8,3", "32,64,4,2"],
+         "LEANTUNE_SOFTCAP_BWD": ["32,32,4,1", "32,32,8,2", "32,64,8,1", "64,32,8,1",
+                                  "16,64,4,1", "64,64,8,1"]}
+TINY_SWEEP = {"LEANTUNE_SOFTCAP_FWD": ["32,16"], "LEANTUNE_SOFTCAP_BWD": ["16,32"]}
 
 
 def doc_lens(rows: int, seq: int, tiny: bool) -> list[int]:
@@ -126,6 +131,12 @@ def run(backend: str, case, window, scale, softcap, dev):
         return res[0], timed_ms(fwd, dev), tot
 
 
+def rel_error(got, want) -> float:
+    """The largest norm-relative error over pairs of tensors."""
+    return max(((a.float() - b.float()).norm() / b.float().norm()).item()
+               for a, b in zip(got, want))
+
+
 def main():
     args = ARGS
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
@@ -133,6 +144,7 @@ def main():
         sys.exit("gpu_softcap.py: no CUDA device; run with --tiny for the CPU check")
     B, T, Hq, Hk, D = args.rows, args.seq, args.heads, args.kv_heads, args.head_dim
     scale, cap = D ** -0.5, args.softcap
+    tol = 3e-2 if dev.type == "cuda" else 1e-5  # norm-relative: bf16 / fp32
     rows, ok = [], True
     for layout in args.layouts:
         for window in args.windows:
@@ -141,20 +153,24 @@ def main():
             res_k, fwd_k, tot_k = run("triton", case, window, scale, cap, dev)
             res_r, fwd_r, tot_r = run("reference", case, window, scale, cap, dev)
             errs = [(a.float() - b.float()).abs().max().item() for a, b in zip(res_k, res_r)]
-            rel = max(((a.float() - b.float()).norm() / b.float().norm()).item()
-                      for a, b in zip(res_k, res_r))
-            ok = ok and rel < (3e-2 if dev.type == "cuda" else 1e-5)
+            rel = rel_error(res_k, res_r)
+            ok = ok and rel < tol
             flops = 4 * pairs * Hq * D
             tflops = (flops / fwd_k * 1e-9, 3.5 * flops / tot_k * 1e-9)
             sweep = {}
-            if args.sweep and dev.type == "cuda":
-                for blocks in SWEEP:
-                    os.environ["LEANTUNE_SOFTCAP_BLOCKS"] = blocks
-                    try:
-                        sweep[blocks] = run("triton", case, window, scale, cap, dev)[1:]
-                    except Exception as e:  # e.g. out of shared memory at this block size
-                        sweep[blocks] = (type(e).__name__,)
-                    del os.environ["LEANTUNE_SOFTCAP_BLOCKS"]
+            if args.sweep:
+                for var, configs in (TINY_SWEEP if args.tiny else SWEEP).items():
+                    which = var[-3:].lower()  # fwd configs: the fwd time; bwd: fwd+bwd
+                    for cfg in configs:
+                        os.environ[var] = cfg
+                        try:
+                            res, t_fwd, t_tot = run("triton", case, window, scale, cap, dev)
+                            r = rel_error(res, res_r)
+                            sweep[f"{which} {cfg}"] = (f"{t_fwd if which == 'fwd' else t_tot:.2f}"
+                                                       f" ms" + ("" if r < tol else " MISMATCH"))
+                        except Exception as e:  # e.g. out of shared memory at this block size
+                            sweep[f"{which} {cfg}"] = type(e).__name__
+                        del os.environ[var]
             rows.append((layout, window, fwd_k, tot_k, fwd_r, tot_r, tflops, errs, rel, sweep))
             if not args.tiny:
                 record("softcap_attention", layout=layout, window=window,
@@ -162,11 +178,11 @@ def main():
                        kernel_fwd_bwd_ms=tot_k, blocks_fwd_ms=fwd_r, blocks_fwd_bwd_ms=tot_r,
                        kernel_tflops_fwd=tflops[0], kernel_tflops_fwd_bwd=tflops[1],
                        max_abs_out_dq_dk_dv=errs, max_rel=rel,
-                       sweep={b: list(t) for b, t in sweep.items()})
-    for layout, window, *_, sweep in rows:
-        for blocks, t in sweep.items():
-            print(f"sweep {layout} w{window} blocks {blocks}: "
-                  + (f"fwd {t[0]:.2f} ms, fwd+bwd {t[1]:.2f} ms" if len(t) == 2 else t[0]))
+                       sweep=sweep)
+    for layout, window, fwd_k, tot_k, *_, sweep in rows:
+        if sweep:
+            print(f"sweep {layout} w{window} (default: fwd {fwd_k:.2f} ms, fwd+bwd {tot_k:.2f} ms):"
+                  + "".join(f"\n  {name}: {t}" for name, t in sweep.items()))
     dtype = "bf16" if dev.type == "cuda" else "fp32"
     print(f"softcap attention  {B} x {T} tokens  Hq {Hq} Hk {Hk} D {D}  softcap {cap}  {dtype} "
           f"({dev.type})")

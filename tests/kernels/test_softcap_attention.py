@@ -49,10 +49,10 @@ def _meta(B, T, lens, path, window):
 
 
 def _kernel_blocks(monkeypatch, blocks):
-    """Force the kernels' block sizes (the model's entry points take the defaults)."""
+    """Force the kernels' (BLOCK_M, BLOCK_N): `blocks` forward, the other way round backward."""
     if blocks is not None:
-        real = kernel._config
-        monkeypatch.setattr(kernel, "_config", lambda d, dev, bwd, b: real(d, dev, bwd, blocks))
+        monkeypatch.setenv("LEANTUNE_SOFTCAP_FWD", f"{blocks[0]},{blocks[1]}")
+        monkeypatch.setenv("LEANTUNE_SOFTCAP_BWD", f"{blocks[1]},{blocks[0]}")
 
 
 @pytest.mark.parametrize("case", list(CASES))

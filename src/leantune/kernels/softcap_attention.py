@@ -247,29 +247,32 @@ if triton is not None:
         tl.store(pdv, dv.to(DV.dtype.element_ty), mask=mk)
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) by head size; untuned starting points for an H200
-# (bench/gpu_softcap.py --sweep times others). LEANTUNE_SOFTCAP_BLOCKS="fwd_m,fwd_n,bwd_m,bwd_n"
-# overrides the block sizes.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) by head size (the smallest key >= D): untuned
+# starting points for an H200 (bench/gpu_softcap.py --sweep times others); 16 x 16 blocks in
+# the interpreter. The environment variables LEANTUNE_SOFTCAP_FWD / LEANTUNE_SOFTCAP_BWD =
+# "m,n[,warps[,stages]]" override them (tests, sweeps). Backward: BLOCK_N keys (dk/dv) by
+# BLOCK_M queries (the same for dq).
 _FWD_CONFIGS = {64: (128, 64, 4, 2), 128: (128, 64, 8, 2), 256: (64, 64, 8, 2)}
-_BWD_CONFIGS = {64: (64, 64, 4, 2), 128: (64, 64, 8, 2), 256: (32, 32, 4, 1)}
+_BWD_CONFIGS = {64: (64, 64, 4, 2), 128: (64, 64, 8, 2), 256: (32, 32, 8, 1)}
 _INTERPRET = (16, 16, 1, 1)
 
 
-def _config(d: int, device, backward: bool, blocks):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for head size d; `blocks` = (m, n) forces
-    the block sizes (tests, sweeps)."""
+def _config(d: int, device, backward: bool):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for head size d (above)."""
     if device.type != "cuda":
         cfg = _INTERPRET
     else:
         table = _BWD_CONFIGS if backward else _FWD_CONFIGS
         cfg = table[min((key for key in table if key >= d), default=256)]
-        env = os.environ.get("LEANTUNE_SOFTCAP_BLOCKS")
-        if env and blocks is None:
-            sizes = [int(x) for x in env.split(",")]
-            blocks = sizes[2:4] if backward else sizes[0:2]
-    if blocks is not None:
-        cfg = (int(blocks[0]), int(blocks[1]), *cfg[2:])
+    env = os.environ.get("LEANTUNE_SOFTCAP_BWD" if backward else "LEANTUNE_SOFTCAP_FWD")
+    if env:
+        given = tuple(int(x) for x in env.split(","))
+        cfg = given + cfg[len(given):]
     return cfg
+
+
+def _block_d(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))  # tl.dot's least
 
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
@@ -288,7 +291,7 @@ def _common(q, k, window, start):
 
 
 def softcap_attention_fwd(q, k, v, window: int | None, scale: float, softcap: float,
-                          start: torch.Tensor | None = None, blocks=None):
+                          start: torch.Tensor | None = None):
     """q [B, T, Hq, D], k/v [B, T, Hk, D], start [B, T] int (None: one document a row) ->
     (out [B, T, Hq, D] in q's dtype, lse [B, Hq, T] fp32). No autograd."""
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
@@ -297,19 +300,19 @@ def softcap_attention_fwd(q, k, v, window: int | None, scale: float, softcap: fl
     lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
     if B * T == 0:
         return out, lse
-    bm, bn, warps, stages = _config(D, q.device, False, blocks)
+    bm, bn, warps, stages = _config(D, q.device, False)
     _fwd_kernel[(triton.cdiv(T, bm), B * Hq)](
         q, k, v, out, lse, start, T, Hq, Hq // Hk, w, float(scale / softcap), float(softcap),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_M=bm, BLOCK_N=bn, HAS_DOCS=has_docs,
+        D=D, BLOCK_D=_block_d(D), BLOCK_M=bm, BLOCK_N=bn, HAS_DOCS=has_docs,
         F32_DOT=q.dtype == torch.float32, num_warps=warps, num_stages=stages)
     return out, lse
 
 
 def softcap_attention_bwd(dout, q, k, v, out, lse, window: int | None, scale: float,
                           softcap: float, start: torch.Tensor | None = None,
-                          end: torch.Tensor | None = None, blocks=None):
+                          end: torch.Tensor | None = None):
     """(dq, dk, dv) like q, k, v from dout [B, T, Hq, D] and the forward's out and lse
     [B, Hq, T]; start/end [B, T] int: where each token's document begins / ends (exclusive) in
     its row (both None: one document a row). No autograd."""
@@ -321,9 +324,9 @@ def softcap_attention_bwd(dout, q, k, v, out, lse, window: int | None, scale: fl
         return dq, dk, dv
     delta = (dout.float() * out.float()).sum(-1).contiguous()  # [B, T, Hq]
     lse = lse.float().contiguous()
-    consts = dict(D=D, BLOCK_D=triton.next_power_of_2(D), HAS_DOCS=has_docs,
+    consts = dict(D=D, BLOCK_D=_block_d(D), HAS_DOCS=has_docs,
                   F32_DOT=q.dtype == torch.float32)
-    bm, bn, warps, stages = _config(D, q.device, True, blocks)
+    bm, bn, warps, stages = _config(D, q.device, True)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1),
                dout.stride(2))

@@ -36,7 +36,7 @@ def parse_args(argv=None):
     ap.add_argument("--layouts", nargs="+", default=["rows", "packed"], choices=["rows", "packed"],
                     help="rows: one document a row; packed: documents of 100-1500 tokens")
     ap.add_argument("--sweep", action="store_true",
-                    help="time the kernel at other block sizes too (LEANTUNE_SOFTCAP_FWD/_BWD)")
+                    help="time other block sizes too (LEANTUNE_SOFTCAP_FWD / _DKDV / _DQ)")
     args = ap.parse_args(argv)
     if args.tiny:  # odd sizes: partial blocks, GQA, windows shorter than a document
         args.rows, args.seq, args.heads, args.kv_heads, args.head_dim = 2, 37, 4, 2, 32
@@ -59,13 +59,16 @@ from leantune.model.attention import AttentionMeta  # noqa: E402
 from leantune.model.softcap_attention import (_doc_bounds, softcap_attention_backward,  # noqa
                                               softcap_attention_forward)
 
-# "BLOCK_M,BLOCK_N,num_warps,num_stages" tried by --sweep (LEANTUNE_SOFTCAP_FWD / _BWD), beside
-# the defaults (kernels/softcap_attention.py); backward: BLOCK_N keys by BLOCK_M queries
-SWEEP = {"LEANTUNE_SOFTCAP_FWD": ["128,64,8,2", "64,64,4,2", "64,32,4,2", "128,32,8,2",
-                                  "64,64,8,3", "32,64,4,2"],
-         "LEANTUNE_SOFTCAP_BWD": ["32,32,4,1", "32,32,8,2", "32,64,8,1", "64,32,8,1",
-                                  "16,64,4,1", "64,64,8,1"]}
-TINY_SWEEP = {"LEANTUNE_SOFTCAP_FWD": ["32,16"], "LEANTUNE_SOFTCAP_BWD": ["16,32"]}
+# "BLOCK_M,BLOCK_N,num_warps,num_stages" (queries, keys) tried by --sweep for each kernel
+# (LEANTUNE_SOFTCAP_FWD / _DKDV / _DQ), beside the defaults (kernels/softcap_attention.py)
+SWEEP = {"LEANTUNE_SOFTCAP_FWD": ["64,64,8,2", "64,32,4,2", "128,32,8,2", "64,32,8,3",
+                                  "128,64,8,2", "64,16,4,2"],
+         "LEANTUNE_SOFTCAP_DKDV": ["32,32,4,1", "32,32,8,2", "16,32,4,1", "32,64,8,1",
+                                   "16,64,8,1", "64,32,8,1"],
+         "LEANTUNE_SOFTCAP_DQ": ["32,32,4,1", "32,32,8,2", "64,32,8,1", "64,16,4,1",
+                                 "32,16,4,1", "64,32,4,1"]}
+TINY_SWEEP = {"LEANTUNE_SOFTCAP_FWD": ["32,16"], "LEANTUNE_SOFTCAP_DKDV": ["16,32"],
+              "LEANTUNE_SOFTCAP_DQ": ["32,16"]}
 
 
 def doc_lens(rows: int, seq: int, tiny: bool) -> list[int]:
@@ -160,7 +163,7 @@ def main():
             sweep = {}
             if args.sweep:
                 for var, configs in (TINY_SWEEP if args.tiny else SWEEP).items():
-                    which = var[-3:].lower()  # fwd configs: the fwd time; bwd: fwd+bwd
+                    which = var.split("_")[-1].lower()  # fwd: the fwd time; else fwd+bwd
                     for cfg in configs:
                         os.environ[var] = cfg
                         try:

@@ -49,10 +49,13 @@ def _meta(B, T, lens, path, window):
 
 
 def _kernel_blocks(monkeypatch, blocks):
-    """Force the kernels' (BLOCK_M, BLOCK_N): `blocks` forward, the other way round backward."""
+    """Force the kernels' (BLOCK_M, BLOCK_N): `blocks` forward and for dq, the other way round
+    for dk/dv."""
     if blocks is not None:
-        monkeypatch.setenv("LEANTUNE_SOFTCAP_FWD", f"{blocks[0]},{blocks[1]}")
-        monkeypatch.setenv("LEANTUNE_SOFTCAP_BWD", f"{blocks[1]},{blocks[0]}")
+        m, n = blocks
+        monkeypatch.setenv("LEANTUNE_SOFTCAP_FWD", f"{m},{n}")
+        monkeypatch.setenv("LEANTUNE_SOFTCAP_DQ", f"{m},{n}")
+        monkeypatch.setenv("LEANTUNE_SOFTCAP_DKDV", f"{n},{m}")
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -88,22 +88,25 @@ if triton is not None:
         return tl.dot(a, b)
 
     @triton.jit
-    def _visible(qp, kp, qstart, T, window):
-        """bool (broadcast of qp, kp): key position kp visible to query position qp."""
-        return (kp <= qp) & (qp < T) & (kp >= qstart) & (qp - kp < window)
+    def _visible(qp, kp, qlo):
+        """bool (broadcast of qp, kp): key position kp visible to query position qp, whose
+        first visible key is qlo. (Rows past T: their outputs are never stored; in dk/dv
+        their lse is +inf, so p = 0.)"""
+        return (kp <= qp) & (kp >= qlo)
 
     @triton.jit
-    def _query_rows(P, START, b, t0, T, stride_t, rd, D, BLOCK_M: tl.constexpr,
+    def _query_rows(P, START, b, t0, T, window, stride_t, rd, D, BLOCK_M: tl.constexpr,
                     HAS_DOCS: tl.constexpr):
         """Positions [BLOCK_M], pointers [BLOCK_M, BLOCK_D] (P: row b and head applied), load
-        mask and document starts [BLOCK_M] of the query block at t0."""
+        mask and first visible keys [BLOCK_M] (document start, window) of the queries t0.."""
         rm = t0 + tl.arange(0, BLOCK_M)
         mask = (rm < T)[:, None] & (rd < D)[None, :]
         if HAS_DOCS:
             qstart = tl.load(START + b * T + rm, mask=rm < T, other=0)
         else:
             qstart = tl.zeros([BLOCK_M], dtype=tl.int32)
-        return rm, P + rm[:, None] * stride_t + rd[None, :], mask, qstart
+        qlo = tl.maximum(qstart, rm - window + 1)
+        return rm, P + rm[:, None] * stride_t + rd[None, :], mask, qlo
 
     @triton.jit
     def _key_range(START, b, t0, T, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -125,13 +128,13 @@ if triton is not None:
         b64 = (tl.program_id(1) // Hq).to(tl.int64)
         h = tl.program_id(1) % Hq
         rd = tl.arange(0, BLOCK_D)
-        rm, pq, mq, qstart = _query_rows(Q + b64 * sq_b + h * sq_h, START, b64, t0, T, sq_t,
-                                         rd, D, BLOCK_M, HAS_DOCS)
+        rm, pq, mq, qlo = _query_rows(Q + b64 * sq_b + h * sq_h, START, b64, t0, T, window,
+                                      sq_t, rd, D, BLOCK_M, HAS_DOCS)
         q = tl.load(pq, mask=mq, other=0.0)
         Kb = K + b64 * sk_b + (h // rep) * sk_h
         Vb = V + b64 * sv_b + (h // rep) * sv_h
         lo, hi = _key_range(START, b64, t0, T, window, BLOCK_M, BLOCK_N, HAS_DOCS)
-        return b64, h, rd, rm, mq, qstart, q, Kb, Vb, lo, hi
+        return b64, h, rd, rm, mq, qlo, q, Kb, Vb, lo, hi
 
     @triton.jit
     def _kv_tile(Kb, Vb, s0, T, sk_t, sv_t, rd, D, BLOCK_N: tl.constexpr):
@@ -148,7 +151,7 @@ if triton is not None:
         """dout tile [BLOCK_M, BLOCK_D], lse and delta [BLOCK_M] of queries rm, q head h."""
         do = tl.load(DO + b64 * sd_b + h * sd_h + rm[:, None] * sd_t + rd[None, :], mask=mq,
                      other=0.0)
-        lse = tl.load(LSE + (b64 * Hq + h) * T + rm, mask=rm < T, other=0.0)
+        lse = tl.load(LSE + (b64 * Hq + h) * T + rm, mask=rm < T, other=float("inf"))
         delta = tl.load(DELTA + (b64 * T + rm) * Hq + h, mask=rm < T, other=0.0)
         return do, lse, delta
 
@@ -158,7 +161,7 @@ if triton is not None:
                     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, HAS_DOCS: tl.constexpr, F32_DOT: tl.constexpr):
         """One program: BLOCK_M queries of q head h in row b; online softmax over key blocks."""
-        b64, h, rd, rm, mq, qstart, q, Kb, Vb, lo, hi = _query_program(
+        b64, h, rd, rm, mq, qlo, q, Kb, Vb, lo, hi = _query_program(
             Q, K, V, START, T, Hq, rep, window, sq_b, sq_t, sq_h, sk_b, sk_h, sv_b, sv_h,
             D, BLOCK_D, BLOCK_M, BLOCK_N, HAS_DOCS)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -167,7 +170,7 @@ if triton is not None:
         for s0 in range(lo, hi, BLOCK_N):
             rn, mk, k, v = _kv_tile(Kb, Vb, s0, T, sk_t, sv_t, rd, D, BLOCK_N)
             cap = tanh(_dot(q, tl.trans(k), F32_DOT) * scale_c) * softcap
-            vis = _visible(rm[:, None], rn[None, :], qstart[:, None], T, window)
+            vis = _visible(rm[:, None], rn[None, :], qlo[:, None])
             cap = tl.where(vis, cap, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(cap, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
@@ -188,7 +191,7 @@ if triton is not None:
                    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, HAS_DOCS: tl.constexpr, F32_DOT: tl.constexpr):
         """One program: dq of BLOCK_M queries of q head h in row b, over the forward's keys."""
-        b64, h, rd, rm, mq, qstart, q, Kb, Vb, lo, hi = _query_program(
+        b64, h, rd, rm, mq, qlo, q, Kb, Vb, lo, hi = _query_program(
             Q, K, V, START, T, Hq, rep, window, sq_b, sq_t, sq_h, sk_b, sk_h, sv_b, sv_h,
             D, BLOCK_D, BLOCK_M, BLOCK_N, HAS_DOCS)
         do, lse, delta = _grad_rows(DO, LSE, DELTA, b64, h, rm, rd, mq, T, Hq, sd_b, sd_t, sd_h)
@@ -196,7 +199,7 @@ if triton is not None:
         for s0 in range(lo, hi, BLOCK_N):
             rn, mk, k, v = _kv_tile(Kb, Vb, s0, T, sk_t, sv_t, rd, D, BLOCK_N)
             th = tanh(_dot(q, tl.trans(k), F32_DOT) * scale_c)
-            vis = _visible(rm[:, None], rn[None, :], qstart[:, None], T, window)
+            vis = _visible(rm[:, None], rn[None, :], qlo[:, None])
             p = tl.where(vis, tl.exp(th * softcap - lse[:, None]), 0.0)
             dp = _dot(do, tl.trans(v), F32_DOT)
             ds = p * (dp - delta[:, None]) * (1.0 - th * th)
@@ -229,13 +232,13 @@ if triton is not None:
         for r in range(0, rep):
             h = hk * rep + r
             for t0 in range(lo, hi, BLOCK_M):
-                rm, pq, mq, qstart = _query_rows(Q + b64 * sq_b + h * sq_h, START, b64, t0, T,
-                                                 sq_t, rd, D, BLOCK_M, HAS_DOCS)
+                rm, pq, mq, qlo = _query_rows(Q + b64 * sq_b + h * sq_h, START, b64, t0, T,
+                                              window, sq_t, rd, D, BLOCK_M, HAS_DOCS)
                 q = tl.load(pq, mask=mq, other=0.0)
                 do, lse, delta = _grad_rows(DO, LSE, DELTA, b64, h, rm, rd, mq, T, Hq, sd_b,
                                             sd_t, sd_h)
                 th = tanh(_dot(k, tl.trans(q), F32_DOT) * scale_c)  # [BLOCK_N, BLOCK_M]
-                vis = _visible(rm[None, :], rn[:, None], qstart[None, :], T, window)
+                vis = _visible(rm[None, :], rn[:, None], qlo[None, :])
                 p = tl.where(vis, tl.exp(th * softcap - lse[None, :]), 0.0)
                 dv += _dot(p.to(do.dtype), do, F32_DOT)
                 dp = _dot(v, tl.trans(do), F32_DOT)
@@ -247,24 +250,28 @@ if triton is not None:
         tl.store(pdv, dv.to(DV.dtype.element_ty), mask=mk)
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) by head size (the smallest key >= D): untuned
-# starting points for an H200 (bench/gpu_softcap.py --sweep times others); 16 x 16 blocks in
-# the interpreter. The environment variables LEANTUNE_SOFTCAP_FWD / LEANTUNE_SOFTCAP_BWD =
-# "m,n[,warps[,stages]]" override them (tests, sweeps). Backward: BLOCK_N keys (dk/dv) by
-# BLOCK_M queries (the same for dq).
-_FWD_CONFIGS = {64: (128, 64, 4, 2), 128: (128, 64, 8, 2), 256: (64, 64, 8, 2)}
-_BWD_CONFIGS = {64: (64, 64, 4, 2), 128: (64, 64, 8, 2), 256: (32, 32, 8, 1)}
+# (BLOCK_M queries, BLOCK_N keys, num_warps, num_stages) of each kernel by head size (the
+# smallest key >= D); 16 x 16 blocks in the interpreter. Untuned starting points for an H200:
+# the largest tiles whose sm_90 build spills no registers (or least, for the D = 256 forward),
+# bench/gpu_softcap.py --sweep times others. The environment variables LEANTUNE_SOFTCAP_FWD,
+# _DKDV, _DQ = "m,n[,warps[,stages]]" override them (tests, sweeps).
+_CONFIGS = {
+    "fwd": {64: (128, 64, 4, 2), 128: (128, 64, 8, 2), 256: (64, 32, 8, 2)},
+    "dkdv": {64: (32, 64, 4, 2), 128: (32, 64, 8, 2), 256: (32, 32, 8, 1)},
+    "dq": {64: (64, 32, 4, 2), 128: (128, 32, 8, 2), 256: (32, 32, 8, 1)},
+}
 _INTERPRET = (16, 16, 1, 1)
 
 
-def _config(d: int, device, backward: bool):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for head size d (above)."""
+def _config(kernel: str, d: int, device):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of `kernel` ("fwd", "dkdv", "dq") for head
+    size d (above)."""
     if device.type != "cuda":
         cfg = _INTERPRET
     else:
-        table = _BWD_CONFIGS if backward else _FWD_CONFIGS
+        table = _CONFIGS[kernel]
         cfg = table[min((key for key in table if key >= d), default=256)]
-    env = os.environ.get("LEANTUNE_SOFTCAP_BWD" if backward else "LEANTUNE_SOFTCAP_FWD")
+    env = os.environ.get(f"LEANTUNE_SOFTCAP_{kernel.upper()}")
     if env:
         given = tuple(int(x) for x in env.split(","))
         cfg = given + cfg[len(given):]
@@ -300,7 +307,7 @@ def softcap_attention_fwd(q, k, v, window: int | None, scale: float, softcap: fl
     lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
     if B * T == 0:
         return out, lse
-    bm, bn, warps, stages = _config(D, q.device, False)
+    bm, bn, warps, stages = _config("fwd", D, q.device)
     _fwd_kernel[(triton.cdiv(T, bm), B * Hq)](
         q, k, v, out, lse, start, T, Hq, Hq // Hk, w, float(scale / softcap), float(softcap),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -326,15 +333,16 @@ def softcap_attention_bwd(dout, q, k, v, out, lse, window: int | None, scale: fl
     lse = lse.float().contiguous()
     consts = dict(D=D, BLOCK_D=_block_d(D), HAS_DOCS=has_docs,
                   F32_DOT=q.dtype == torch.float32)
-    bm, bn, warps, stages = _config(D, q.device, True)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1),
                dout.stride(2))
+    bm, bn, warps, stages = _config("dkdv", D, q.device)
     _dkdv_kernel[(triton.cdiv(T, bn), B * Hk)](
         q, k, v, dout, lse, delta, dk, dv, start, end, T, Hq, Hk, Hq // Hk, w,
         float(scale / softcap), float(softcap), float(scale), *strides,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **consts)
+    bm, bn, warps, stages = _config("dq", D, q.device)
     _dq_kernel[(triton.cdiv(T, bm), B * Hq)](
         q, k, v, dout, lse, delta, dq, start, T, Hq, Hq // Hk, w, float(scale / softcap),
         float(softcap), float(scale), *strides, dq.stride(0), dq.stride(1), dq.stride(2),

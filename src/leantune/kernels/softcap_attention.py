@@ -44,6 +44,13 @@ except ImportError:  # the package works without Triton (reference path only)
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the kernels take these inputs: one dtype, D <= 256; fp32 only off CUDA (the
+    interpreter: the tests), as fp32 dots run without tensor cores."""
+    return (q.dtype == k.dtype == v.dtype and q.dtype in SUPPORTED_DTYPES and q.shape[-1] <= 256
+            and not (q.is_cuda and q.dtype == torch.float32))
+
+
 def visible_keys(start: torch.Tensor | None, B: int, T: int, window: int | None,
                  device) -> torch.Tensor:
     """bool [B, 1, T, T]: key j visible to query t (module docstring)."""
@@ -252,13 +259,14 @@ if triton is not None:
 
 # (BLOCK_M queries, BLOCK_N keys, num_warps, num_stages) of each kernel by head size (the
 # smallest key >= D); 16 x 16 blocks in the interpreter. Untuned starting points for an H200:
-# the largest tiles whose sm_90 build spills no registers (or least, for the D = 256 forward),
+# large tiles whose sm_90 build (bf16, 16-byte aligned strides) spills no registers;
 # bench/gpu_softcap.py --sweep times others. The environment variables LEANTUNE_SOFTCAP_FWD,
-# _DKDV, _DQ = "m,n[,warps[,stages]]" override them (tests, sweeps).
+# _DKDV, _DQ = "m,n[,warps[,stages]]" override them (tests, sweeps). fp32 inputs take IEEE fp32
+# dots (no tensor cores): right, not fast (the model keeps its PyTorch blocks for them on CUDA).
 _CONFIGS = {
-    "fwd": {64: (128, 64, 4, 2), 128: (128, 64, 8, 2), 256: (64, 32, 8, 2)},
-    "dkdv": {64: (32, 64, 4, 2), 128: (32, 64, 8, 2), 256: (32, 32, 8, 1)},
-    "dq": {64: (64, 32, 4, 2), 128: (128, 32, 8, 2), 256: (32, 32, 8, 1)},
+    "fwd": {64: (128, 64, 4, 2), 128: (128, 64, 8, 2), 256: (64, 64, 8, 2)},
+    "dkdv": {64: (32, 64, 4, 2), 128: (32, 64, 8, 2), 256: (64, 32, 8, 2)},
+    "dq": {64: (64, 32, 4, 2), 128: (128, 32, 8, 2), 256: (64, 32, 8, 2)},
 }
 _INTERPRET = (16, 16, 1, 1)
 

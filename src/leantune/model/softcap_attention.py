@@ -14,10 +14,11 @@ path (rows of them per block), else the documents of its cu_seqlens ("varlen") o
 ("causal"). q: [B, T, Hq, D], k/v: [B, T, Hk, D] (GQA: each k/v head serves Hq / Hk q heads).
 
 Where the Triton kernels run (dispatch.use_triton: CUDA, or a forced "triton" backend under
-TRITON_INTERPRET=1) the "varlen" and "causal" paths use the flash-style kernels of
-kernels/softcap_attention.py instead (same out, lse and gradients; each token's document bounds
-in its row computed here from cu_seqlens). The "mask" path, arbitrary masks, keeps these query
-blocks, which are also the kernels' reference; LEANTUNE_SOFTCAP_KERNEL=0 keeps them everywhere.
+TRITON_INTERPRET=1) and take the inputs (kernel.supports: D <= 256, half precision on CUDA),
+the "varlen" and "causal" paths use the flash-style kernels of kernels/softcap_attention.py
+instead: the same out, lse and gradients, each token's document bounds in its row computed here
+from cu_seqlens. The "mask" path (arbitrary masks) keeps these query blocks, which are also the
+kernels' reference; LEANTUNE_SOFTCAP_KERNEL=0 keeps them everywhere.
 """
 
 from __future__ import annotations
@@ -60,9 +61,7 @@ def _doc_bounds(meta, B: int, T: int, device):
 def _use_kernel(q, k, v, meta) -> bool:
     """Whether the Triton kernels take this call (module docstring)."""
     return (os.environ.get("LEANTUNE_SOFTCAP_KERNEL", "1") != "0"
-            and meta.path in ("varlen", "causal") and use_triton(q)
-            and q.dtype in kernel.SUPPORTED_DTYPES and k.dtype == q.dtype == v.dtype
-            and q.shape[-1] <= 256)
+            and meta.path in ("varlen", "causal") and use_triton(q) and kernel.supports(q, k, v))
 
 
 def _keys(t0: int, t1: int, window: int | None) -> tuple[int, int]:

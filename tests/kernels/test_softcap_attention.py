@@ -125,3 +125,17 @@ def test_document_bounds_from_cu_seqlens():
     assert start.tolist() == [[0, 0, 2, 2, 2, 5], [0] * 6]
     assert end.tolist() == [[2, 2, 5, 5, 5, 6], [6] * 6]
     assert blocked._doc_bounds(_meta(2, 6, None, "varlen", None), 2, 6, "cpu") == (None, None)
+
+
+def test_supports():
+    """The kernels take one dtype, D <= 256, int32 offsets within a row (meta tensors: no
+    memory)."""
+    def qkv(T, D, dtype=torch.float32, kv_dtype=None):
+        q = torch.empty(1, T, 2, D, device="meta", dtype=dtype)
+        kv = torch.empty(1, T, 1, D, device="meta", dtype=kv_dtype or dtype)
+        return q, kv, kv
+
+    assert kernel.supports(*qkv(64, 256)) and kernel.supports(*qkv(64, 16, torch.bfloat16))
+    assert not kernel.supports(*qkv(64, 512))
+    assert not kernel.supports(*qkv(64, 32, torch.float32, torch.bfloat16))
+    assert not kernel.supports(*qkv(2**26, 32))  # 2^26 tokens x 64 values a token

@@ -45,10 +45,13 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the kernels take these inputs: one dtype, D <= 256; fp32 only off CUDA (the
-    interpreter: the tests), as fp32 dots run without tensor cores."""
+    """Whether the kernels take these inputs: one dtype, D <= 256, offsets within a row below
+    2^31 (int32 in the kernels); fp32 only off CUDA (the interpreter: the tests), as fp32 dots
+    run without tensor cores."""
+    T = q.shape[1]
     return (q.dtype == k.dtype == v.dtype and q.dtype in SUPPORTED_DTYPES and q.shape[-1] <= 256
-            and not (q.is_cuda and q.dtype == torch.float32))
+            and not (q.is_cuda and q.dtype == torch.float32)
+            and all(T * t.stride(1) + t.shape[2] * t.stride(2) < 2**31 for t in (q, k, v)))
 
 
 def visible_keys(start: torch.Tensor | None, B: int, T: int, window: int | None,

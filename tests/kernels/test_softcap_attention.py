@@ -3,14 +3,17 @@ and dv of the model's entry points (model/softcap_attention.py, which chooses th
 the varlen and causal paths) against (a) the PyTorch query blocks they replace and (b) the whole
 [T, T] scores under autograd, fp32 within 1e-5, on small odd shapes: T not a multiple of the
 block, several documents a row, a padding segment, windows shorter than a document, GQA 4:2 and
-3:1, D 16 and 32, unequal query/key blocks, q/k/v as strided views of one projection buffer.
+3:1, D 16 and 32, unequal query/key blocks, q/k/v as strided views of one projection buffer;
+and a tiny Gemma 2 on packed rows (varlen path, D 12) whose loss and LoRA gradients, plain
+autograd (the kernels' autograd.Function) and the engine, equal those of the query blocks.
 (bf16 is checked on the GPU by bench/gpu_softcap.py: the interpreter's bf16 tl.dot is wrong.)"""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers import one_torch_thread  # noqa: F401  (autouse)
+from helpers import BASE, check, loss_and_grads, model_for, one_torch_thread  # noqa: F401
+from helpers import packed_batch
 
 from leantune import kernels
 from leantune.kernels import softcap_attention as kernel
@@ -139,3 +142,29 @@ def test_supports():
     assert not kernel.supports(*qkv(64, 512))
     assert not kernel.supports(*qkv(64, 32, torch.float32, torch.bfloat16))
     assert not kernel.supports(*qkv(2**26, 32))  # 2^26 tokens x 64 values a token
+
+
+GEMMA2 = dict(BASE, model_type="gemma2", query_pre_attn_scalar=20, sliding_window=5,
+              num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+              attn_logit_softcapping=5.0, final_logit_softcapping=3.0)
+
+
+def test_gemma2_model_and_engine_with_the_kernels(monkeypatch):
+    from leantune.engine import LayerPlan
+
+    model = model_for(GEMMA2)
+    model.attention_path = "varlen"  # packed rows: the path the kernels take
+    batch = packed_batch()
+    monkeypatch.setenv("LEANTUNE_SOFTCAP_KERNEL", "0")
+    ref_loss, ref_grads = loss_and_grads(model, batch)
+    monkeypatch.setenv("LEANTUNE_SOFTCAP_KERNEL", "1")
+    monkeypatch.setattr(blocked, "use_triton", lambda t: True)  # this op's kernels alone
+    calls = []
+    monkeypatch.setattr(kernel, "softcap_attention_bwd",
+                        lambda *a, bwd=kernel.softcap_attention_bwd: calls.append(1) or bwd(*a))
+    loss, grads = loss_and_grads(model, batch)
+    assert len(calls) == 2  # one backward a layer: autograd went through the kernels
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads, ref_grads, **TOL)
+    check(model, [LayerPlan(keep=1)] * 2, atol=1e-5)  # the engine (kernels) vs autograd
+    assert len(calls) > 4

@@ -24,7 +24,9 @@ k/v head, loops over the q heads of that k/v head and the query blocks that see 
 the end of the keys' document, end [B, T] int32, and the window); dq, one program per block of
 queries and q head, loops over the same key blocks as the forward. delta is one torch reduction.
 
-`softcap_attention_reference` is the same math with the whole [T, T] scores (tests, small T).
+softcap_attention_fwd / _bwd are autograd-free (the engine keeps lse itself); SoftcapAttention
+is the autograd.Function over them. `softcap_attention_reference` is the same math with the
+whole [T, T] scores (tests, small T).
 Under TRITON_INTERPRET=1 (the tests) the kernels run on the CPU with 16-wide blocks. The
 model's query-block PyTorch path (model/softcap_attention.py) chooses between the two.
 """
@@ -359,3 +361,23 @@ def softcap_attention_bwd(dout, q, k, v, out, lse, window: int | None, scale: fl
         float(softcap), float(scale), *strides, dq.stride(0), dq.stride(1), dq.stride(2),
         BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **consts)
     return dq, dk, dv
+
+
+class SoftcapAttention(torch.autograd.Function):
+    """The kernels under autograd: (q, k, v) -> (out, lse), lse not differentiable; for
+    callers that run attention under autograd (the plain model), the engine calls the
+    autograd-free entry points above."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, window, scale, softcap, start, end):
+        out, lse = softcap_attention_fwd(q, k, v, window, scale, softcap, start)
+        ctx.save_for_backward(q, k, v, out, lse, start, end)
+        ctx.args = (window, scale, softcap)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, start, end = ctx.saved_tensors
+        grads = softcap_attention_bwd(dout, q, k, v, out, lse, *ctx.args, start, end)
+        return (*grads, None, None, None, None, None)

@@ -18,7 +18,8 @@ TRITON_INTERPRET=1) and take the inputs (kernel.supports: D <= 256, half precisi
 the "varlen" and "causal" paths use the flash-style kernels of kernels/softcap_attention.py
 instead: the same out, lse and gradients, each token's document bounds in its row computed here
 from cu_seqlens. The "mask" path (arbitrary masks) keeps these query blocks, which are also the
-kernels' reference; LEANTUNE_SOFTCAP_KERNEL=0 keeps them everywhere.
+kernels' reference; LEANTUNE_SOFTCAP_KERNEL=0 keeps them everywhere. Under autograd (the
+plain model) the kernels run as an autograd.Function, as the query blocks run under autograd.
 """
 
 from __future__ import annotations
@@ -95,7 +96,9 @@ def softcap_attention_forward(q, k, v, meta, window: int | None, scale: float, s
     """-> (out [B, T, Hq, D] in q's dtype, lse [B, Hq, T] fp32)."""
     B, T, Hq, D = q.shape
     if _use_kernel(q, k, v, meta):
-        start, _ = _doc_bounds(meta, B, T, q.device)
+        start, end = _doc_bounds(meta, B, T, q.device)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            return kernel.SoftcapAttention.apply(q, k, v, window, scale, softcap, start, end)
         return kernel.softcap_attention_fwd(q, k, v, window, scale, softcap, start)
     Hk = k.shape[2]
     rep = Hq // Hk

@@ -59,16 +59,16 @@ from leantune.model.attention import AttentionMeta  # noqa: E402
 from leantune.model.softcap_attention import (_doc_bounds, softcap_attention_backward,  # noqa
                                               softcap_attention_forward)
 
-# "BLOCK_M,BLOCK_N,num_warps,num_stages" (queries, keys) tried by --sweep for each kernel
+# "BLOCK_M,BLOCK_N,num_warps,num_stages,split" (queries, keys) tried by --sweep for each kernel
 # (LEANTUNE_SOFTCAP_FWD / _DKDV / _DQ), beside the defaults (kernels/softcap_attention.py)
-SWEEP = {"LEANTUNE_SOFTCAP_FWD": ["64,64,8,2", "64,32,4,2", "128,32,8,2", "64,32,8,3",
-                                  "128,64,8,2", "64,16,4,2"],
-         "LEANTUNE_SOFTCAP_DKDV": ["32,32,4,1", "32,32,8,2", "16,32,4,1", "32,64,8,1",
-                                   "16,64,8,1", "64,32,8,1"],
-         "LEANTUNE_SOFTCAP_DQ": ["32,32,4,1", "32,32,8,2", "64,32,8,1", "64,16,4,1",
-                                 "32,16,4,1", "64,32,4,1"]}
-TINY_SWEEP = {"LEANTUNE_SOFTCAP_FWD": ["32,16"], "LEANTUNE_SOFTCAP_DKDV": ["16,32"],
-              "LEANTUNE_SOFTCAP_DQ": ["32,16"]}
+SWEEP = {"LEANTUNE_SOFTCAP_FWD": ["64,64,8,2,0", "128,64,8,2,1", "128,32,8,2,1", "64,32,8,2,1",
+                                  "64,64,8,3,1", "64,64,4,2,1"],
+         "LEANTUNE_SOFTCAP_DKDV": ["64,32,8,2,1", "32,32,8,2,0", "32,32,8,1,1", "32,64,8,2,0",
+                                   "64,32,8,1,0", "16,64,8,2,0"],
+         "LEANTUNE_SOFTCAP_DQ": ["64,32,8,2,0", "64,64,8,2,1", "128,32,8,2,1", "32,32,8,2,1",
+                                 "64,32,4,2,1", "64,16,4,2,1"]}
+TINY_SWEEP = {"LEANTUNE_SOFTCAP_FWD": ["32,16,1,1,0"], "LEANTUNE_SOFTCAP_DKDV": ["16,32"],
+              "LEANTUNE_SOFTCAP_DQ": ["32,16,1,1,0"]}
 
 
 def doc_lens(rows: int, seq: int, tiny: bool) -> list[int]:

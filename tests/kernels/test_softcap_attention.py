@@ -3,7 +3,8 @@ and dv of the model's entry points (model/softcap_attention.py, which chooses th
 the varlen and causal paths) against (a) the PyTorch query blocks they replace and (b) the whole
 [T, T] scores under autograd, fp32 within 1e-5, on small odd shapes: T not a multiple of the
 block, several documents a row, a padding segment, windows shorter than a document, GQA 4:2 and
-3:1, D 16 and 32, unequal query/key blocks, q/k/v as strided views of one projection buffer;
+3:1, D 16 and 32, unequal query/key blocks, the mask-free key blocks split off or not, q/k/v
+as strided views of one projection buffer;
 and a tiny Gemma 2 on packed rows (varlen path, D 12) whose loss and LoRA gradients, plain
 autograd (the kernels' autograd.Function) and the engine, equal those of the query blocks.
 (bf16 is checked on the GPU by bench/gpu_softcap.py: the interpreter's bf16 tl.dot is wrong.)"""
@@ -23,7 +24,8 @@ from leantune.model.attention import AttentionMeta
 SCALE, CAP = 0.3, 2.0
 TOL = dict(rtol=1e-5, atol=1e-5)
 
-# (B, T, Hq, Hk, D, segment lengths (None: one document a row), path, window, kernel blocks)
+# (B, T, Hq, Hk, D, segment lengths (None: one document a row), path, window, kernel blocks:
+# (BLOCK_M, BLOCK_N[, split]), None: 16 x 16 with the mask-free blocks split off)
 CASES = {
     "docs_gqa42_d16": (2, 37, 4, 2, 16, [10, 20, 7, 37], "varlen", None, None),
     "docs_window_gqa31_d32": (2, 45, 3, 1, 32, [5, 30, 10, 40, 5], "varlen", 6, None),
@@ -32,6 +34,8 @@ CASES = {
     "varlen_rows_window": (2, 41, 4, 2, 16, None, "varlen", 13, None),
     "causal": (2, 39, 4, 2, 32, None, "causal", None, None),
     "causal_window": (1, 50, 3, 1, 16, None, "causal", 11, None),
+    "docs_window_no_split": (2, 45, 3, 1, 16, [5, 30, 10, 40, 5], "varlen", 6, (16, 16, 0)),
+    "causal_no_split": (1, 50, 4, 2, 16, None, "causal", None, (16, 32, 0)),
 }
 
 
@@ -52,13 +56,13 @@ def _meta(B, T, lens, path, window):
 
 
 def _kernel_blocks(monkeypatch, blocks):
-    """Force the kernels' (BLOCK_M, BLOCK_N): `blocks` forward and for dq, the other way round
-    for dk/dv."""
+    """Force the kernels' (BLOCK_M, BLOCK_N[, split]): `blocks` forward and for dq, the other
+    way round for dk/dv."""
     if blocks is not None:
-        m, n = blocks
-        monkeypatch.setenv("LEANTUNE_SOFTCAP_FWD", f"{m},{n}")
-        monkeypatch.setenv("LEANTUNE_SOFTCAP_DQ", f"{m},{n}")
-        monkeypatch.setenv("LEANTUNE_SOFTCAP_DKDV", f"{n},{m}")
+        m, n, split = (*blocks, 1)[:3]
+        monkeypatch.setenv("LEANTUNE_SOFTCAP_FWD", f"{m},{n},1,1,{split}")
+        monkeypatch.setenv("LEANTUNE_SOFTCAP_DQ", f"{m},{n},1,1,{split}")
+        monkeypatch.setenv("LEANTUNE_SOFTCAP_DKDV", f"{n},{m},1,1,{split}")
 
 
 @pytest.mark.parametrize("case", list(CASES))

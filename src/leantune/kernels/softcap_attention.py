@@ -130,12 +130,32 @@ if triton is not None:
         return (lo // BLOCK_N) * BLOCK_N, tl.minimum(t0 + BLOCK_M, T)
 
     @triton.jit
+    def _split(lo, hi, full_lo, full_hi):
+        """(a, b): [lo, a) and [b, hi) need the mask, [a, b) does not, for the mask-free blocks
+        [full_lo, full_hi) (block multiples; block loops step from lo, a and b)."""
+        a = tl.minimum(tl.maximum(full_lo, lo), hi)
+        return a, tl.minimum(tl.maximum(full_hi, a), hi)
+
+    @triton.jit
+    def _part(part: tl.constexpr, lo, a, b, hi, SPLIT: tl.constexpr):
+        """The block range of loop `part` of (lo, a, b, hi) (_split): [lo, a), [a, b), [b, hi);
+        without SPLIT one loop, [lo, hi)."""
+        if not SPLIT:
+            return lo, hi
+        if part == 0:
+            return lo, a
+        if part == 1:
+            return a, b
+        return b, hi
+
+    @triton.jit
     def _query_program(Q, K, V, START, T, Hq, rep, window, sq_b, sq_t, sq_h, sk_b, sk_h, sv_b,
                        sv_h, D, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, HAS_DOCS: tl.constexpr):
         """A query-block program (grid: query blocks, B * Hq): its row b (int64), q head h,
-        columns, positions, load mask, document starts and q tile, the k/v bases of its k/v
-        head, and the key range [lo, hi) it sees."""
+        columns, positions, load mask, first visible keys and q tile, the k/v bases of its k/v
+        head, and the key blocks it sees: [lo, a) and [b, hi) masked, [a, b) all visible to
+        all its queries (keys <= its first query, from the largest first visible key)."""
         t0 = tl.program_id(0) * BLOCK_M
         b64 = (tl.program_id(1) // Hq).to(tl.int64)
         h = tl.program_id(1) % Hq
@@ -146,7 +166,9 @@ if triton is not None:
         Kb = K + b64 * sk_b + (h // rep) * sk_h
         Vb = V + b64 * sv_b + (h // rep) * sv_h
         lo, hi = _key_range(START, b64, t0, T, window, BLOCK_M, BLOCK_N, HAS_DOCS)
-        return b64, h, rd, rm, mq, qlo, q, Kb, Vb, lo, hi
+        full_lo = tl.cdiv(tl.max(qlo, axis=0), BLOCK_N) * BLOCK_N
+        a, b = _split(lo, hi, full_lo, ((t0 + 1) // BLOCK_N) * BLOCK_N)
+        return b64, h, rd, rm, mq, qlo, q, Kb, Vb, lo, a, b, hi
 
     @triton.jit
     def _kv_tile(Kb, Vb, s0, T, sk_t, sv_t, rd, D, BLOCK_N: tl.constexpr):
@@ -168,22 +190,16 @@ if triton is not None:
         return do, lse, delta
 
     @triton.jit
-    def _fwd_kernel(Q, K, V, O, LSE, START, T, Hq, rep, window, scale_c, softcap,
-                    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
-                    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, HAS_DOCS: tl.constexpr, F32_DOT: tl.constexpr):
-        """One program: BLOCK_M queries of q head h in row b; online softmax over key blocks."""
-        b64, h, rd, rm, mq, qlo, q, Kb, Vb, lo, hi = _query_program(
-            Q, K, V, START, T, Hq, rep, window, sq_b, sq_t, sq_h, sk_b, sk_h, sv_b, sv_h,
-            D, BLOCK_D, BLOCK_M, BLOCK_N, HAS_DOCS)
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    def _fwd_blocks(acc, m_i, l_i, lo, hi, q, Kb, Vb, rm, qlo, rd, T, sk_t, sv_t, scale_c,
+                    softcap, D, BLOCK_N: tl.constexpr, F32_DOT: tl.constexpr,
+                    MASK: tl.constexpr):
+        """The online softmax over the key blocks [lo, hi) (MASK: with the visibility mask)."""
         for s0 in range(lo, hi, BLOCK_N):
             rn, mk, k, v = _kv_tile(Kb, Vb, s0, T, sk_t, sv_t, rd, D, BLOCK_N)
             cap = tanh(_dot(q, tl.trans(k), F32_DOT) * scale_c) * softcap
-            vis = _visible(rm[:, None], rn[None, :], qlo[:, None])
-            cap = tl.where(vis, cap, float("-inf"))
+            if MASK:
+                cap = tl.where(_visible(rm[:, None], rn[None, :], qlo[:, None]), cap,
+                               float("-inf"))
             m_new = tl.maximum(m_i, tl.max(cap, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
             p = tl.exp(cap - m_safe[:, None])
@@ -191,40 +207,97 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, F32_DOT)
             m_i = m_new
+        return acc, m_i, l_i
+
+    @triton.jit
+    def _fwd_kernel(Q, K, V, O, LSE, START, T, Hq, rep, window, scale_c, softcap,
+                    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
+                    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, HAS_DOCS: tl.constexpr, F32_DOT: tl.constexpr,
+                    SPLIT: tl.constexpr):
+        """One program: BLOCK_M queries of q head h in row b; online softmax over key blocks."""
+        b64, h, rd, rm, mq, qlo, q, Kb, Vb, lo, a, b, hi = _query_program(
+            Q, K, V, START, T, Hq, rep, window, sq_b, sq_t, sq_h, sk_b, sk_h, sv_b, sv_h,
+            D, BLOCK_D, BLOCK_M, BLOCK_N, HAS_DOCS)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        for part in tl.static_range(3 if SPLIT else 1):  # masked, mask-free, masked
+            p_lo, p_hi = _part(part, lo, a, b, hi, SPLIT)
+            acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, p_lo, p_hi, q, Kb, Vb, rm, qlo, rd, T,
+                                        sk_t, sv_t, scale_c, softcap, D, BLOCK_N, F32_DOT,
+                                        part != 1)
         l_i = tl.where(l_i == 0.0, 1.0, l_i)  # rows past T only (every query sees itself)
         po = O + b64 * so_b + h * so_h + rm[:, None] * so_t + rd[None, :]
         tl.store(po, (acc / l_i[:, None]).to(O.dtype.element_ty), mask=mq)
         tl.store(LSE + (b64 * Hq + h) * T + rm, m_i + tl.log(l_i), mask=rm < T)
 
     @triton.jit
+    def _dq_blocks(dq, lo, hi, q, do, lse, delta, Kb, Vb, rm, qlo, rd, T, sk_t, sv_t, scale_c,
+                   softcap, D, BLOCK_N: tl.constexpr, F32_DOT: tl.constexpr,
+                   MASK: tl.constexpr):
+        """dq += the key blocks [lo, hi)' share (MASK: with the visibility mask)."""
+        for s0 in range(lo, hi, BLOCK_N):
+            rn, mk, k, v = _kv_tile(Kb, Vb, s0, T, sk_t, sv_t, rd, D, BLOCK_N)
+            th = tanh(_dot(q, tl.trans(k), F32_DOT) * scale_c)
+            p = tl.exp(th * softcap - lse[:, None])
+            if MASK:
+                p = tl.where(_visible(rm[:, None], rn[None, :], qlo[:, None]), p, 0.0)
+            dp = _dot(do, tl.trans(v), F32_DOT)
+            ds = p * (dp - delta[:, None]) * (1.0 - th * th)
+            dq += _dot(ds.to(k.dtype), k, F32_DOT)
+        return dq
+
+    @triton.jit
     def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, START, T, Hq, rep, window, scale_c, softcap,
                    scale, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
                    sd_b, sd_t, sd_h, sdq_b, sdq_t, sdq_h,
                    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, HAS_DOCS: tl.constexpr, F32_DOT: tl.constexpr):
+                   BLOCK_N: tl.constexpr, HAS_DOCS: tl.constexpr, F32_DOT: tl.constexpr,
+                   SPLIT: tl.constexpr):
         """One program: dq of BLOCK_M queries of q head h in row b, over the forward's keys."""
-        b64, h, rd, rm, mq, qlo, q, Kb, Vb, lo, hi = _query_program(
+        b64, h, rd, rm, mq, qlo, q, Kb, Vb, lo, a, b, hi = _query_program(
             Q, K, V, START, T, Hq, rep, window, sq_b, sq_t, sq_h, sk_b, sk_h, sv_b, sv_h,
             D, BLOCK_D, BLOCK_M, BLOCK_N, HAS_DOCS)
         do, lse, delta = _grad_rows(DO, LSE, DELTA, b64, h, rm, rd, mq, T, Hq, sd_b, sd_t, sd_h)
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        for s0 in range(lo, hi, BLOCK_N):
-            rn, mk, k, v = _kv_tile(Kb, Vb, s0, T, sk_t, sv_t, rd, D, BLOCK_N)
-            th = tanh(_dot(q, tl.trans(k), F32_DOT) * scale_c)
-            vis = _visible(rm[:, None], rn[None, :], qlo[:, None])
-            p = tl.where(vis, tl.exp(th * softcap - lse[:, None]), 0.0)
-            dp = _dot(do, tl.trans(v), F32_DOT)
-            ds = p * (dp - delta[:, None]) * (1.0 - th * th)
-            dq += _dot(ds.to(k.dtype), k, F32_DOT)
+        for part in tl.static_range(3 if SPLIT else 1):  # masked, mask-free, masked
+            p_lo, p_hi = _part(part, lo, a, b, hi, SPLIT)
+            dq = _dq_blocks(dq, p_lo, p_hi, q, do, lse, delta, Kb, Vb, rm, qlo, rd, T, sk_t,
+                            sv_t, scale_c, softcap, D, BLOCK_N, F32_DOT, part != 1)
         pdq = DQ + b64 * sdq_b + h * sdq_h + rm[:, None] * sdq_t + rd[None, :]
         tl.store(pdq, (dq * scale).to(DQ.dtype.element_ty), mask=mq)
+
+    @triton.jit
+    def _dkdv_blocks(dk, dv, lo, hi, k, v, Qh, DO, LSE, DELTA, START, b64, h, rn, rd, T, Hq,
+                     window, scale_c, softcap, sq_t, sd_b, sd_t, sd_h, D,
+                     BLOCK_M: tl.constexpr, HAS_DOCS: tl.constexpr, F32_DOT: tl.constexpr,
+                     MASK: tl.constexpr):
+        """dk, dv += the query blocks [lo, hi)' share, q head h (Qh: its row and head
+        applied; MASK: with the visibility mask). Tiles are transposed: [keys, queries]."""
+        for t0 in range(lo, hi, BLOCK_M):
+            rm, pq, mq, qlo = _query_rows(Qh, START, b64, t0, T, window, sq_t, rd, D, BLOCK_M,
+                                          HAS_DOCS)
+            q = tl.load(pq, mask=mq, other=0.0)
+            do, lse, delta = _grad_rows(DO, LSE, DELTA, b64, h, rm, rd, mq, T, Hq, sd_b, sd_t,
+                                        sd_h)
+            th = tanh(_dot(k, tl.trans(q), F32_DOT) * scale_c)  # [BLOCK_N, BLOCK_M]
+            p = tl.exp(th * softcap - lse[None, :])
+            if MASK:
+                p = tl.where(_visible(rm[None, :], rn[:, None], qlo[None, :]), p, 0.0)
+            dv += _dot(p.to(do.dtype), do, F32_DOT)
+            dp = _dot(v, tl.trans(do), F32_DOT)
+            ds = p * (dp - delta[None, :]) * (1.0 - th * th)
+            dk += _dot(ds.to(q.dtype), q, F32_DOT)
+        return dk, dv
 
     @triton.jit
     def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, START, END, T, Hq, Hk, rep, window,
                      scale_c, softcap, scale, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h,
                      sv_b, sv_t, sv_h, sd_b, sd_t, sd_h, sdk_b, sdk_t, sdk_h, sdv_b, sdv_t, sdv_h,
                      D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, HAS_DOCS: tl.constexpr, F32_DOT: tl.constexpr):
+                     BLOCK_N: tl.constexpr, HAS_DOCS: tl.constexpr, F32_DOT: tl.constexpr,
+                     SPLIT: tl.constexpr):
         """One program: dk, dv of BLOCK_N keys of k/v head hk in row b, summed over its rep q
         heads and the query blocks that see the keys (transposed tiles: [keys, queries])."""
         s0 = tl.program_id(0) * BLOCK_N
@@ -239,46 +312,49 @@ if triton is not None:
         if HAS_DOCS:
             hi = tl.minimum(hi, tl.load(END + b64 * T + last))  # ends grow along the row
         lo = (s0 // BLOCK_M) * BLOCK_M
+        # all keys visible to the queries t0.. of [a, b): t0 >= the last key, t < s0 + window
+        # and t < the end of s0's document, for every t of the block
+        full_hi = tl.minimum(T, s0 + window)
+        if HAS_DOCS:
+            full_hi = tl.minimum(full_hi, tl.load(END + b64 * T + s0))
+        a, b = _split(lo, hi, tl.cdiv(s0 + BLOCK_N - 1, BLOCK_M) * BLOCK_M,
+                      (full_hi // BLOCK_M) * BLOCK_M)
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         for r in range(0, rep):
             h = hk * rep + r
-            for t0 in range(lo, hi, BLOCK_M):
-                rm, pq, mq, qlo = _query_rows(Q + b64 * sq_b + h * sq_h, START, b64, t0, T,
-                                              window, sq_t, rd, D, BLOCK_M, HAS_DOCS)
-                q = tl.load(pq, mask=mq, other=0.0)
-                do, lse, delta = _grad_rows(DO, LSE, DELTA, b64, h, rm, rd, mq, T, Hq, sd_b,
-                                            sd_t, sd_h)
-                th = tanh(_dot(k, tl.trans(q), F32_DOT) * scale_c)  # [BLOCK_N, BLOCK_M]
-                vis = _visible(rm[None, :], rn[:, None], qlo[None, :])
-                p = tl.where(vis, tl.exp(th * softcap - lse[None, :]), 0.0)
-                dv += _dot(p.to(do.dtype), do, F32_DOT)
-                dp = _dot(v, tl.trans(do), F32_DOT)
-                ds = p * (dp - delta[None, :]) * (1.0 - th * th)
-                dk += _dot(ds.to(q.dtype), q, F32_DOT)
+            for part in tl.static_range(3 if SPLIT else 1):  # masked, mask-free, masked
+                p_lo, p_hi = _part(part, lo, a, b, hi, SPLIT)
+                dk, dv = _dkdv_blocks(dk, dv, p_lo, p_hi, k, v, Q + b64 * sq_b + h * sq_h, DO,
+                                      LSE, DELTA, START, b64, h, rn, rd, T, Hq, window,
+                                      scale_c, softcap, sq_t, sd_b, sd_t, sd_h, D, BLOCK_M,
+                                      HAS_DOCS, F32_DOT, part != 1)
         pdk = DK + b64 * sdk_b + hk * sdk_h + rn[:, None] * sdk_t + rd[None, :]
         tl.store(pdk, (dk * scale).to(DK.dtype.element_ty), mask=mk)
         pdv = DV + b64 * sdv_b + hk * sdv_h + rn[:, None] * sdv_t + rd[None, :]
         tl.store(pdv, dv.to(DV.dtype.element_ty), mask=mk)
 
 
-# (BLOCK_M queries, BLOCK_N keys, num_warps, num_stages) of each kernel by head size (the
-# smallest key >= D); 16 x 16 blocks in the interpreter. Untuned starting points for an H200:
-# large tiles whose sm_90 build (bf16, 16-byte aligned strides) spills no registers;
+# (BLOCK_M queries, BLOCK_N keys, num_warps, num_stages, split) of each kernel by head size
+# (the smallest key >= D); 16 x 16 blocks in the interpreter. split 1: the blocks all of whose
+# keys all the block's queries see run in a loop of their own, without the mask (more code,
+# more registers: off for dk/dv, where it spills). Untuned starting points for an H200: large
+# tiles whose sm_90 build (bf16, 16-byte aligned strides) spills no registers;
 # bench/gpu_softcap.py --sweep times others. The environment variables LEANTUNE_SOFTCAP_FWD,
-# _DKDV, _DQ = "m,n[,warps[,stages]]" override them (tests, sweeps). fp32 inputs take IEEE fp32
-# dots (no tensor cores): right, not fast (the model keeps its PyTorch blocks for them on CUDA).
+# _DKDV, _DQ = "m,n[,warps[,stages[,split]]]" override them (tests, sweeps). fp32 inputs take
+# IEEE fp32 dots (no tensor cores): right, not fast (the model keeps its PyTorch blocks for
+# them on CUDA).
 _CONFIGS = {
-    "fwd": {64: (128, 64, 4, 2), 128: (128, 64, 8, 2), 256: (64, 64, 8, 2)},
-    "dkdv": {64: (32, 64, 4, 2), 128: (32, 64, 8, 2), 256: (64, 32, 8, 2)},
-    "dq": {64: (64, 32, 4, 2), 128: (128, 32, 8, 2), 256: (64, 32, 8, 2)},
+    "fwd": {64: (128, 64, 4, 2, 1), 128: (128, 64, 8, 2, 1), 256: (64, 64, 8, 2, 1)},
+    "dkdv": {64: (32, 64, 4, 2, 0), 128: (32, 64, 8, 2, 0), 256: (64, 32, 8, 2, 0)},
+    "dq": {64: (64, 32, 4, 2, 1), 128: (128, 32, 8, 2, 1), 256: (64, 32, 8, 2, 1)},
 }
-_INTERPRET = (16, 16, 1, 1)
+_INTERPRET = (16, 16, 1, 1, 1)
 
 
 def _config(kernel: str, d: int, device):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of `kernel` ("fwd", "dkdv", "dq") for head
-    size d (above)."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages, split) of `kernel` ("fwd", "dkdv", "dq")
+    for head size d (above)."""
     if device.type != "cuda":
         cfg = _INTERPRET
     else:
@@ -320,13 +396,14 @@ def softcap_attention_fwd(q, k, v, window: int | None, scale: float, softcap: fl
     lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
     if B * T == 0:
         return out, lse
-    bm, bn, warps, stages = _config("fwd", D, q.device)
+    bm, bn, warps, stages, split = _config("fwd", D, q.device)
     _fwd_kernel[(triton.cdiv(T, bm), B * Hq)](
         q, k, v, out, lse, start, T, Hq, Hq // Hk, w, float(scale / softcap), float(softcap),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         D=D, BLOCK_D=_block_d(D), BLOCK_M=bm, BLOCK_N=bn, HAS_DOCS=has_docs,
-        F32_DOT=q.dtype == torch.float32, num_warps=warps, num_stages=stages)
+        F32_DOT=q.dtype == torch.float32, SPLIT=bool(split), num_warps=warps,
+        num_stages=stages)
     return out, lse
 
 
@@ -349,17 +426,19 @@ def softcap_attention_bwd(dout, q, k, v, out, lse, window: int | None, scale: fl
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1),
                dout.stride(2))
-    bm, bn, warps, stages = _config("dkdv", D, q.device)
+    bm, bn, warps, stages, split = _config("dkdv", D, q.device)
     _dkdv_kernel[(triton.cdiv(T, bn), B * Hk)](
         q, k, v, dout, lse, delta, dk, dv, start, end, T, Hq, Hk, Hq // Hk, w,
         float(scale / softcap), float(softcap), float(scale), *strides,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **consts)
-    bm, bn, warps, stages = _config("dq", D, q.device)
+        BLOCK_M=bm, BLOCK_N=bn, SPLIT=bool(split), num_warps=warps, num_stages=stages,
+        **consts)
+    bm, bn, warps, stages, split = _config("dq", D, q.device)
     _dq_kernel[(triton.cdiv(T, bm), B * Hq)](
         q, k, v, dout, lse, delta, dq, start, T, Hq, Hq // Hk, w, float(scale / softcap),
         float(softcap), float(scale), *strides, dq.stride(0), dq.stride(1), dq.stride(2),
-        BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **consts)
+        BLOCK_M=bm, BLOCK_N=bn, SPLIT=bool(split), num_warps=warps, num_stages=stages,
+        **consts)
     return dq, dk, dv
 
 

@@ -23,12 +23,14 @@ in two deterministic kernels (no atomics): dk/dv, one program per block of BLOCK
 k/v head, loops over the q heads of that k/v head and the query blocks that see the keys (up to
 the end of the keys' document, end [B, T] int32, and the window); dq, one program per block of
 queries and q head, loops over the same key blocks as the forward. delta is one torch reduction.
+Blocks of keys that every query of the block sees (inside the causal, document and window
+bounds) can run in a loop of their own without the mask (`split` in the configs below).
 
 softcap_attention_fwd / _bwd are autograd-free (the engine keeps lse itself); SoftcapAttention
-is the autograd.Function over them. `softcap_attention_reference` is the same math with the
-whole [T, T] scores (tests, small T).
-Under TRITON_INTERPRET=1 (the tests) the kernels run on the CPU with 16-wide blocks. The
-model's query-block PyTorch path (model/softcap_attention.py) chooses between the two.
+is the autograd.Function over them (the plain model under autograd). `supports` says which
+inputs the kernels take; `softcap_attention_reference` is the same math with the whole [T, T]
+scores (tests, small T). Under TRITON_INTERPRET=1 (the tests) the kernels run on the CPU with
+16 x 16 blocks. model/softcap_attention.py chooses between them and its PyTorch query blocks.
 """
 
 from __future__ import annotations

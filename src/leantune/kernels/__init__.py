@@ -8,6 +8,8 @@ from .swiglu import act_code, geglu, geglu_reference, glu, swiglu, swiglu_refere
 from .cross_entropy import fused_linear_cross_entropy, linear_cross_entropy_reference
 from .token_logprobs import segment_sum, token_logprobs, token_logprobs_reference
 from .decode_attention import decode_attention, decode_attention_reference
+from .softcap_attention import (softcap_attention_bwd, softcap_attention_fwd,
+                                softcap_attention_reference)
 
 __all__ = [
     "backend", "get_backend", "set_backend", "use_triton",
@@ -17,4 +19,5 @@ __all__ = [
     "fused_linear_cross_entropy", "linear_cross_entropy_reference",
     "token_logprobs", "token_logprobs_reference", "segment_sum",
     "decode_attention", "decode_attention_reference",
+    "softcap_attention_fwd", "softcap_attention_bwd", "softcap_attention_reference",
 ]

@@ -12,11 +12,24 @@ does), and the backward recomputes each block's probabilities from it:
 Which keys a query sees comes from the batch's AttentionMeta: its boolean masks on the "mask"
 path (rows of them per block), else the documents of its cu_seqlens ("varlen") or whole rows
 ("causal"). q: [B, T, Hq, D], k/v: [B, T, Hk, D] (GQA: each k/v head serves Hq / Hk q heads).
+
+Where the Triton kernels run (dispatch.use_triton: CUDA, or a forced "triton" backend under
+TRITON_INTERPRET=1) and take the inputs (kernel.supports: D <= 256, half precision on CUDA),
+the "varlen" and "causal" paths use the flash-style kernels of kernels/softcap_attention.py
+instead: the same out, lse and gradients, each token's document bounds in its row computed here
+from cu_seqlens. The "mask" path (arbitrary masks) keeps these query blocks, which are also the
+kernels' reference; LEANTUNE_SOFTCAP_KERNEL=0 keeps them everywhere. Under autograd (the
+plain model) the kernels run as an autograd.Function, as the query blocks run under autograd.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+from ..kernels import softcap_attention as kernel
+from ..kernels.dispatch import use_triton
 
 BLOCK = 256  # queries per block
 
@@ -27,6 +40,29 @@ def _doc_ids(meta, B: int, T: int, device) -> torch.Tensor | None:
         return None
     pos = torch.arange(B * T, device=device, dtype=torch.int32)
     return torch.searchsorted(meta.cu_seqlens[1:].contiguous(), pos, right=True).view(B, T)
+
+
+def _doc_bounds(meta, B: int, T: int, device):
+    """(start, end) int32 [B, T]: where each token's document begins / ends (exclusive) within
+    its row, as the kernels take them (None, None: one document a row). Tokens past
+    cu_seqlens[-1] form one last document, a document crossing rows is cut at the row's ends,
+    as in _doc_ids."""
+    docs = _doc_ids(meta, B, T, device)
+    if docs is None:
+        return None, None
+    cu = meta.cu_seqlens.to(torch.int64)
+    bounds = torch.cat([cu, cu.new_full((1,), B * T)])
+    row0 = torch.arange(B, device=device, dtype=torch.int64)[:, None] * T
+    docs = docs.long()
+    start = (bounds[docs] - row0).clamp(min=0).to(torch.int32)
+    end = (bounds[docs + 1] - row0).clamp(max=T).to(torch.int32)
+    return start, end
+
+
+def _use_kernel(q, k, v, meta) -> bool:
+    """Whether the Triton kernels take this call (module docstring)."""
+    return (os.environ.get("LEANTUNE_SOFTCAP_KERNEL", "1") != "0"
+            and meta.path in ("varlen", "causal") and use_triton(q) and kernel.supports(q, k, v))
 
 
 def _keys(t0: int, t1: int, window: int | None) -> tuple[int, int]:
@@ -59,6 +95,11 @@ def softcap_attention_forward(q, k, v, meta, window: int | None, scale: float, s
                               block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (out [B, T, Hq, D] in q's dtype, lse [B, Hq, T] fp32)."""
     B, T, Hq, D = q.shape
+    if _use_kernel(q, k, v, meta):
+        start, end = _doc_bounds(meta, B, T, q.device)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            return kernel.SoftcapAttention.apply(q, k, v, window, scale, softcap, start, end)
+        return kernel.softcap_attention_fwd(q, k, v, window, scale, softcap, start)
     Hk = k.shape[2]
     rep = Hq // Hk
     out = torch.empty_like(q)
@@ -84,6 +125,10 @@ def softcap_attention_backward(dout, q, k, v, out, lse, meta, window: int | None
                                softcap: float, block: int = BLOCK):
     """(dq, dk, dv) like q, k, v from dout [B, T, Hq, D] and the forward's out and lse."""
     B, T, Hq, D = q.shape
+    if _use_kernel(q, k, v, meta):
+        start, end = _doc_bounds(meta, B, T, q.device)
+        return kernel.softcap_attention_bwd(dout, q, k, v, out, lse, window, scale, softcap,
+                                            start, end)
     Hk = k.shape[2]
     rep = Hq // Hk
     dq = torch.empty_like(q)

@@ -17,12 +17,9 @@
 #          fp8 (issue 23: FP8 GEMMs vs bf16 at the 8B projections; the 8B step bf16 vs --precision
 #          fp8; 100 steps' loss fp8 vs bf16 beside the bf16 noise floor; batch-1 decoding)
 #          (fp8-step: the GEMMs and steps; fp8-more: the loss and decoding)
-<<<<<<< HEAD
 #          fp8-fq (the FP8 activation quantisation fused into the norms / GLU: those kernels
 #          with and without it, and the 8B fp8 steps with LEANTUNE_FP8_FUSED_QUANT on and off)
-=======
 #          softcap (Gemma 2's soft-capped attention: Triton kernels vs the PyTorch query blocks)
->>>>>>> softcap
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-bench-out}; export OUT; mkdir -p "$OUT"
@@ -89,14 +86,11 @@ for p in $parts; do
                | grep -v "^{" | tail -n 3
              timeout 240 python bench/gpu_fp8.py --parts decode 2>&1 | tee -a "$OUT/log.txt" \
                | grep -v "^{" | tail -n 3 ;;
-<<<<<<< HEAD
     fp8-fq)  timeout ${FP8_LIMIT:-540} python bench/gpu_fp8.py --parts quant step --bf16 \
                --fp8 auto@12 auto@17 --fused-quant on off 2>&1 | tee -a "$OUT/log.txt" \
                | grep -v "^{" | tail -n 12 ;;
-=======
     softcap) timeout 400 python bench/gpu_softcap.py ${SOFTCAP_ARGS:-} 2>&1 | tee -a "$OUT/log.txt" \
                | grep -v "^{" | tail -n 40 ;;
->>>>>>> softcap
     dist)    timeout 170 torchrun --nproc_per_node 1 bench/dist_speed.py --shape llama-3.1-8b \
                --policy auto@17 2>&1 | tee -a "$OUT/log.txt" | grep -v "^{" | tail -n 6 ;;
   esac

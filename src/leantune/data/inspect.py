@@ -206,10 +206,16 @@ def inspect_preference(dataset, rows: int = 3, *, color: bool = False,
                       "  completion:", shown([], item.completion)]
     seqs = ([len(i.prompt) + len(c) for i in dataset.items for c in (i.chosen, i.rejected)]
             if pairs else [len(i.prompt) + len(i.completion) for i in dataset.items])
-    per = "2 per pair" if pairs else "1 per row"
-    lines += ["", f"sequences: {count(len(seqs), 'sequence')} ({per}, each packed as its own "
-                  f"document), {min(seqs)} to {max(seqs)} tokens, median "
-                  f"{statistics.median(seqs):g}",
+    per = "2 per pair" if pairs else "1 per row, each packed as its own document"
+    lines += ["", f"sequences: {count(len(seqs), 'sequence')} ({per}), {min(seqs)} to "
+                  f"{max(seqs)} tokens, median {statistics.median(seqs):g}"]
+    if pairs:  # the pair objectives' shared-prompt layout (objectives/preference.py)
+        docs = [len(i.prompt) + len(i.chosen) + len(i.rejected) for i in dataset.items]
+        lines += [f"packed as one document a pair, the prompt once: [prompt | chosen | "
+                  f"rejected], {min(docs)} to {max(docs)} tokens ({sum(docs):,} of the "
+                  f"sequences' {sum(seqs):,}; --no-shared-prompt: each sequence its own "
+                  f"document)"]
+    lines += [
               f"truncated: {dataset.num_prompt_truncated} prompts cut from the left, "
               f"{dataset.num_completion_truncated} {unit}s with completions cut to --max-seq-len "
               f"{dataset.max_seq_len}" + (f"; dropped: {dataset.num_dropped} pairs left identical"

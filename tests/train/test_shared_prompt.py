@@ -404,7 +404,7 @@ def test_the_setting_applies_to_the_pair_objectives_only():
     assert TrainConfig(objective="dpo", shared_prompt=False).validate().objective.shared_prompt \
         is False
     assert TrainConfig(objective="simpo").validate().objective.shared_prompt is True
-    with pytest.raises(LeantuneError, match="shared-prompt"):
+    with pytest.raises(LeantuneError, match="^--no-shared-prompt is a setting of --objective dpo"):
         TrainConfig(objective="kto", shared_prompt=False).validate()
 
 

@@ -444,8 +444,14 @@ def _changed(section: str, value) -> list[str]:
             if f.name != "name" and getattr(value, f.name) != getattr(default, f.name)]
 
 
+# settings whose flag turns them off (the CLI's store_false flags)
+_OFF_FLAGS = {"shared_prompt", "offload_embedding", "fused_layers", "pack_projections",
+              "progress"}
+
+
 def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+    """The CLI flag that sets `name` (a setting on by default: its --no- flag)."""
+    return ("--no-" if name in _OFF_FLAGS else "--") + name.replace("_", "-")
 
 
 def load_yaml_config(path: str) -> dict:

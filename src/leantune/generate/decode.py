@@ -24,6 +24,7 @@ call with the same shapes (slots are rounded up to a multiple of 256 so that the
 
 from __future__ import annotations
 
+import os
 import sys
 import weakref
 from collections.abc import Callable
@@ -284,8 +285,10 @@ def _step_for(model, batch: int, slots: int, device, graph: bool, log,
     if not graph:
         return DecodeStep(model, batch, slots, device, False, log, projections)
 
-    def key():  # (FP8 codes are buffers: their addresses count too)
+    def key():  # (FP8 codes are buffers: their addresses count too; the switches the graph
+        # bakes in: FP8 packing and head, the decode attention kernel)
         return (batch, slots, device, projections, fp8_packing(), fp8_head_on(),
+                os.environ.get("LEANTUNE_DECODE_ATTENTION", "1") != "0",
                 tuple(p.data_ptr() for p in model.parameters()),
                 tuple(b.data_ptr() for b in model.buffers()))
 

@@ -211,10 +211,10 @@ def inspect_preference(dataset, rows: int = 3, *, color: bool = False,
                   f"{max(seqs)} tokens, median {statistics.median(seqs):g}"]
     if pairs:  # the pair objectives' shared-prompt layout (objectives/preference.py)
         docs = [len(i.prompt) + len(i.chosen) + len(i.rejected) for i in dataset.items]
-        lines += [f"packed as one document a pair, the prompt once: [prompt | chosen | "
-                  f"rejected], {min(docs)} to {max(docs)} tokens ({sum(docs):,} of the "
-                  f"sequences' {sum(seqs):,}; --no-shared-prompt: each sequence its own "
-                  f"document)"]
+        lines += [f"DPO / ORPO / SimPO pack a pair as one document, the prompt once: [prompt | "
+                  f"chosen | rejected], {min(docs)} to {max(docs)} tokens ({sum(docs):,} of the "
+                  f"sequences' {sum(seqs):,}; with --no-shared-prompt, and for models with "
+                  f"attention soft-capping or sinks: each sequence its own document)"]
     lines += [
               f"truncated: {dataset.num_prompt_truncated} prompts cut from the left, "
               f"{dataset.num_completion_truncated} {unit}s with completions cut to --max-seq-len "

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model.attention import (SDPA_GQA, AttentionMeta, attention, gather_kv, repeat_kv_heads,
-                               scatter_kv_grads)
+from ..model.attention import (SDPA_GQA, AttentionMeta, attention, check_shared, gather_kv,
+                               repeat_kv_heads, scatter_kv_grads)
 from ..model.flash import flash_backward, flash_forward, flash_ok
 from ..model.sink_attention import add_sinks, sinks_grad
 from ..model.softcap_attention import softcap_attention_backward, softcap_attention_forward
@@ -138,9 +138,7 @@ class AttentionBackend:
         re-runs attention under autograd) or, with `for_backward` (a recompute right before
         backward), the autograd graph of this call, so backward does not run it a third time.
         `sinks` [Hq]: attention sinks; `softcap`: soft-capped scores (module docstring)."""
-        if meta.kv_index is not None and (softcap or sinks is not None):
-            raise ValueError("attention soft-capping and sinks do not run on shared-prompt "
-                             "batches; pack the pairs unshared (LEANTUNE_SHARED_PROMPT=0)")
+        check_shared(meta, sinks, softcap)
         if softcap:
             out, lse = softcap_attention_forward(q, k, v, meta, window, scale, softcap)
             return out, SoftcapState(lse)

@@ -191,6 +191,13 @@ def _cu_from_lens(seq_lens: list[int], device) -> torch.Tensor:
     return cu.to(device, non_blocking=True)
 
 
+def check_shared(meta: "AttentionMeta", sinks, softcap) -> None:
+    """Soft-capping and sinks have no shared-prompt path: a one-line error for such a batch."""
+    if meta.kv_index is not None and (softcap or sinks is not None):
+        raise ValueError("attention soft-capping and sinks do not run on shared-prompt batches; "
+                         "pack the pairs unshared (LEANTUNE_SHARED_PROMPT=0)")
+
+
 def gather_kv(k: torch.Tensor, v: torch.Tensor, kv_index: torch.Tensor):
     """k/v [N, Hk, D] (or [B, T, Hk, D]) -> their rows kv_index, [Nk, Hk, D] each."""
     k, v = k.reshape(-1, *k.shape[-2:]), v.reshape(-1, *v.shape[-2:])
@@ -281,9 +288,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attention
     (module docstring). `softcap` (Gemma 2): the scores are soft-capped, computed whole on the
     mask and cache paths, in query blocks elsewhere (model/softcap_attention.py)."""
     B, T, Hq, D = q.shape
-    if meta.kv_index is not None and (softcap or sinks is not None):
-        raise ValueError("attention soft-capping and sinks do not run on shared-prompt batches; "
-                         "pack the pairs unshared (LEANTUNE_SHARED_PROMPT=0)")
+    check_shared(meta, sinks, softcap)
     if softcap:
         if meta.path in ("mask", "cache"):
             return _scores_attention(q, k, v, meta.masks[window], scale, sinks, softcap)

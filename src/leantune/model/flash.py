@@ -33,6 +33,13 @@ def flash_window(window: int | None) -> tuple[bool, int]:
     return left == -1, left
 
 
+def _key_segments(cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k):
+    """(cu_seqlens_k, max_seqlen_k) flash reads: the keys' own, or the queries' (None)."""
+    if cu_seqlens_k is None:
+        return cu_seqlens, max_seqlen
+    return cu_seqlens_k, max_seqlen_k
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, *t.shape[-2:])  # [B, T, H, D] or [N, H, D] -> [N, H, D]
 
@@ -44,8 +51,7 @@ def flash_forward(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, window: in
     cu_seqlens_k / max_seqlen_k: the keys' own segments (None: the queries')."""
     B, T, Hq, D = q.shape
     causal, left = flash_window(window)
-    cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
-    max_k = max_seqlen if cu_seqlens_k is None else max_seqlen_k
+    cu_k, max_k = _key_segments(cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k)
     out, lse, rng, _, _ = torch.ops.aten._flash_attention_forward(
         q.reshape(B * T, Hq, D), _rows(k), _rows(v), cu_seqlens, cu_k, max_seqlen, max_k, 0.0,
         causal, False, scale=scale, window_size_left=left, window_size_right=0)
@@ -60,8 +66,7 @@ def flash_backward(dout, q, k, v, out, lse: torch.Tensor, rng: torch.Tensor,
     (dk, dv shaped as k, v: with cu_seqlens_k, the gathered keys')."""
     B, T, Hq, D = q.shape
     causal, left = flash_window(window)
-    cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
-    max_k = max_seqlen if cu_seqlens_k is None else max_seqlen_k
+    cu_k, max_k = _key_segments(cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k)
     dq, dk, dv = torch.ops.aten._flash_attention_backward(
         dout.reshape(B * T, Hq, D), q.reshape(B * T, Hq, D), _rows(k), _rows(v),
         out.reshape(B * T, Hq, D), lse, cu_seqlens, cu_k, max_seqlen, max_k, 0.0, causal, rng,

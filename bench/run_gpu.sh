@@ -33,7 +33,7 @@ speed() {  # shape, time limit, policies...
 for p in $parts; do
   case $p in
     checks)  timeout 150 python bench/gpu_checks.py 2>&1 | tee -a "$OUT/log.txt" | tail -n 40 ;;
-    kernels) timeout 150 python bench/kernels.py 2>&1 | tee -a "$OUT/log.txt" | tail -n 10 ;;
+    kernels) timeout 150 python bench/kernel_speed.py 2>&1 | tee -a "$OUT/log.txt" | tail -n 10 ;;
     speed|speed-qwen3)
              speed qwen3-0.6b 150 auto@1.9 recompute keep
              speed qwen3-14b 240 auto@31 ;;&

@@ -2,7 +2,10 @@
 forward+backward time (median, triton.testing.do_bench) and peak memory, at Llama-3.1-8B sizes
 (8192 tokens). Also checks, on the GPU, that each kernel matches its reference.
 
-    python bench/kernels.py
+    python bench/kernel_speed.py
+
+(Not named kernels.py: run as a script, bench/ comes first on sys.path, and a module named
+`kernels` there hides the hub `kernels` package that transformers >= 5.25 imports.)
 """
 
 from __future__ import annotations

@@ -80,6 +80,7 @@ def main():
         description="GPU correctness checks (bf16/fp32): kernels vs reference ops, fused layer vs "
                     "autograd, host-memory embedding, MoE; one JSON line each")
     ap.add_argument("--moe", action="store_true", help="the MoE checks only")
+    ap.add_argument("--fused", action="store_true", help="the fused layer checks only")
     args = ap.parse_args()
 
     record("env", torch=torch.__version__, triton=triton.__version__,
@@ -89,6 +90,9 @@ def main():
     dev = torch.device("cuda")
     if args.moe:
         moe_checks(dev)
+        return
+    if args.fused:
+        fused_layer_checks(dev)
         return
     # a small Llama-like model with GQA and sliding window variants, fp32 and bf16
     for window in (None, 37):
@@ -232,12 +236,24 @@ def fused_layer_checks(dev):
         plans = {"keep0": [LayerPlan(0)] * 4, "keep1": [LayerPlan(1)] * 4,
                  "keep2": [LayerPlan(2)] * 4,
                  "offload": [LayerPlan(1, True)] * 3 + [LayerPlan(1)],
+                 # q/k/v projected again in backward (the planner's trim_for_link)
+                 "offload without q/k/v": [LayerPlan(1, True, keep_qkv=False)] * 3
+                 + [LayerPlan(2, keep_qkv=False)],
                  "mixed": [LayerPlan(0, True), LayerPlan(2), LayerPlan(1, True), LayerPlan(0)]}
+        seen = {}
         for name, pl in plans.items():
             for attention in (("auto", "flash") if dense else ("auto",)):
                 attach(m, pl, EngineOptions(attention=attention))
                 first = run()
                 again = run()  # pinned buffers reused
+                seen[name, attention] = first
+                if name == "offload without q/k/v":  # against keeping them: bit for bit
+                    kept = seen["offload", attention]
+                    record("gpu_check", what="fused layer offload without q/k/v vs with",
+                           family=family, window=window, attention=attention,
+                           rows="one document each" if dense else "packed",
+                           bit_identical=bool(torch.equal(first[0], kept[0])
+                                              and torch.equal(first[1], kept[1])))
                 record("gpu_check", what=f"fused layer {name} vs autograd (bf16)", family=family,
                        window=window, rows="one document each" if dense else "packed",
                        attention=attention, loss_rel=rel(first[0], ref[0]),

@@ -260,19 +260,22 @@ def step_part(args, device) -> list[dict]:
     cfg_model = None
     batch = None
     rows = []
-    runs = [("bf16", p, None) for p in args.bf16] + [("fp8", p, fq) for p in args.fp8
-                                                      for fq in args.fused_quant]
-    switch = os.environ.get("LEANTUNE_FP8_FUSED_QUANT")
-    for precision, policy, fused_quant in runs:
+    runs = ([("bf16", p, None, t) for p in args.bf16 for t in args.trim]
+            + [("fp8", p, fq, t) for p in args.fp8 for fq in args.fused_quant for t in args.trim])
+    switches = {k: os.environ.get(k) for k in ("LEANTUNE_FP8_FUSED_QUANT",
+                                                "LEANTUNE_TRIM_OFFLOAD")}
+    for precision, policy, fused_quant, trim in runs:
         if fused_quant is not None:  # (read at each GEMM: kernels/fp8_gemm.fused_quant)
             os.environ["LEANTUNE_FP8_FUSED_QUANT"] = "1" if fused_quant == "on" else "0"
+        # (read by the Trainer's engine options: the planner's trim_for_link)
+        os.environ["LEANTUNE_TRIM_OFFLOAD"] = "1" if trim == "on" else "0"
         model = leantune_model(shape, device,
                                torch.bfloat16 if device.type == "cuda" else torch.float32)
         cfg_model = model.config
         batch = batch or random_batch(cfg_model.vocab_size, args.rows, args.seq)
         tokens = batch.input_ids.numel()
         row = dict(shape=shape, precision=precision, policy=policy, gemm=gemm_name(
-            precision, device), fused_quant=fused_quant)
+            precision, device), fused_quant=fused_quant, trim=trim)
         try:
             trainer, step = trainer_step(model, batch, policy, precision, args.steps, device)
             reset_peak(device)
@@ -289,10 +292,11 @@ def step_part(args, device) -> list[dict]:
         detach(model)
         del model
         reset_peak(device)
-    if switch is None:
-        os.environ.pop("LEANTUNE_FP8_FUSED_QUANT", None)
-    else:
-        os.environ["LEANTUNE_FP8_FUSED_QUANT"] = switch
+    for k, v in switches.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
     best = {p: max((r.get("tok_s", 0) for r in rows if r["precision"] == p), default=0)
             for p in ("bf16", "fp8")}
     if best["bf16"] and best["fp8"]:
@@ -495,14 +499,14 @@ def print_table(gemms: list[dict], steps: list[dict], losses: list[dict] = (),
                   f"{r['then_quant_ms']:8.3f} | {r['fused_ms']:8.3f} | {r['saved_ms']:7.3f} | "
                   f"{'yes' if r['codes_equal'] else 'NO'}")
     if steps:
-        print("\nstep  shape         precision  gemm      policy     fused-q  tok/s     peak GiB   "
-              "plan")
+        print("\nstep  shape         precision  gemm      policy     fused-q  trim  tok/s     "
+              "peak GiB   plan")
         for r in steps:
             head = (f"      {r['shape']:<13} {r['precision']:<10} {r['gemm']:<9} "
-                    f"{r['policy']:<10} {r.get('fused_quant') or '-':<7} ")
+                    f"{r['policy']:<10} {r.get('fused_quant') or '-':<7}  {r.get('trim', '-'):<4} ")
             print(head + (f"error: {r['error'][:80]}" if "error" in r else
                           f"{r['tok_s']:>8.0f}  {_f(r['peak_gib'], '{:.2f}'):>9}   "
-                          f"{r['plan'][:60]}"))
+                          f"{r['plan'][:100]}"))
     for r in decodes:
         print(f"decode {r['shape']} batch 1 {r['precision']:<13} "
               + (f"{r['tok_s']:.1f} tok/s" if "tok_s" in r else f"error: {r['error'][:80]}")
@@ -520,6 +524,9 @@ def main():
                     choices=["gemm", "step", "loss", "decode", "quant"])
     ap.add_argument("--fused-quant", nargs="+", default=["on"], choices=["on", "off"],
                     help="step: run each fp8 policy with LEANTUNE_FP8_FUSED_QUANT on / off")
+    ap.add_argument("--trim", nargs="+", default=["on"], choices=["on", "off"],
+                    help="step: run each policy with LEANTUNE_TRIM_OFFLOAD on / off (offloaded "
+                         "layers without q/k/v where the host link bounds the forward)")
     ap.add_argument("--new-tokens", type=int, default=256, help="decode: new tokens")
     ap.add_argument("--loss-shape", default="llama-3.2-1b", choices=sorted(SHAPES))
     ap.add_argument("--loss-steps", type=int, default=100)

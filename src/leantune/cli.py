@@ -175,6 +175,10 @@ def _train_parser(sub) -> None:
                    help="row chunks of the fused MLP in backward (default 256 MiB)")
     e.add_argument("--link-gbs", type=float,
                    help="host link rate the memory planner assumes (default 50 GB/s)")
+    e.add_argument("--no-trim-offload", dest="trim_offload", action="store_false", default=None,
+                   help="offloaded layers always keep q/k/v (by default, where their copies "
+                        "would outrun the forward, the fewest needed project q/k/v again in "
+                        "backward instead of making the forward wait on the host link)")
     a("--log-every", type=int, help="log every N steps (default 1)")
     a("--report-to", help="also send metrics to tensorboard (OUTPUT/tensorboard), wandb, or both "
                           "(comma list); default none")

@@ -12,9 +12,10 @@ from leantune import kernels
 from leantune.engine import EngineOptions, Keep, LayerPlan
 from leantune.engine import executor as executor_module
 from leantune.engine.planner import (Workload, describe, host_memory_bytes, kept_bytes,
-                                     least_plan_bytes, loss_working_bytes, mlp_chunk_bytes,
-                                     offload_capacity, plan_layers, plan_memory, plan_peak_bytes,
-                                     working_set_bytes)
+                                     least_plan_bytes, link_budget_bytes, loss_working_bytes,
+                                     mlp_chunk_bytes, offload_capacity, plan_kept_bytes,
+                                     plan_layers, plan_memory, plan_peak_bytes,
+                                     recompute_flops, trim_for_link, working_set_bytes)
 from leantune.model.config import ModelConfig
 
 CFG = dict(model_type="qwen3", vocab_size=97, hidden_size=40, intermediate_size=72,
@@ -66,13 +67,27 @@ def test_slow_host_link_offloads_fewer_layers():
     cfg = ModelConfig.from_dict(dict(CFG, hidden_size=2048, intermediate_size=8192,
                                      num_hidden_layers=16, num_attention_heads=32,
                                      num_key_value_heads=8, head_dim=64))
-    fast_w = Workload(cfg, 8192)
-    slow_w = Workload(cfg, 8192, options=EngineOptions(link_gbs=50 / 4))
+    fast_w = Workload(cfg, 8192, options=EngineOptions(trim_offload=False))
+    slow_w = Workload(cfg, 8192, options=EngineOptions(link_gbs=50 / 4, trim_offload=False))
     fast = plan_layers(fast_w, 4 * GIB, 2.5 * GIB, host_bytes=512 * GIB)
     slow = plan_layers(slow_w, 4 * GIB, 2.5 * GIB, host_bytes=512 * GIB)
     n_fast, n_slow = (sum(p.offload for p in ps) for ps in (fast, slow))
     assert n_slow == offload_capacity(slow_w) < n_fast
     assert {p for p in slow[n_slow:]} <= {LayerPlan(0), LayerPlan(1), LayerPlan(2)}
+    assert all(p.keep_qkv for p in fast + slow)
+    # trimming on (the default): more layers offload, the fewest needed without q/k/v, so the
+    # copies still fit what the slow link carries during the forward
+    trim_w = Workload(cfg, 8192, options=EngineOptions(link_gbs=50 / 4))
+    trim = plan_layers(trim_w, 4 * GIB, 2.5 * GIB, host_bytes=512 * GIB)
+    off = [p for p in trim if p.offload]
+    assert n_slow < len(off) <= offload_capacity(trim_w, keep_qkv=False)
+    assert sum(plan_kept_bytes(trim_w, p) for p in off) <= link_budget_bytes(trim_w)
+    trimmed = [i for i, p in enumerate(trim) if not p.keep_qkv]
+    assert trimmed == list(range(len(trimmed))) and 0 < len(trimmed) <= len(off)
+    # one trimmed layer fewer would not fit the link
+    assert (sum(plan_kept_bytes(trim_w, p) for p in off)
+            + kept_bytes(trim_w, Keep.ATTENTION) - kept_bytes(trim_w, Keep.ATTENTION, False)
+            > link_budget_bytes(trim_w))
 
 
 def test_autograd_plans_never_offload_and_budget_autograd_activations():

@@ -29,7 +29,10 @@ class EngineOptions:
     pack_align: the packed width is padded to a multiple of this many columns.
     mlp_chunk_mib: the fused MLP runs in row chunks whose [rows, intermediate] tensors stay under
         this size in backward, and mlp_forward_chunk_factor times that in forward.
-    link_gbs: the host link rate (GB/s, each way) the planner assumes for offloading."""
+    link_gbs: the host link rate (GB/s, each way) the planner assumes for offloading.
+    trim_offload: where the offloaded layers' copies would outrun the forward, the planner has
+        the fewest it needs keep no q/k/v (projected again in backward: engine/planner.
+        trim_for_link) instead of letting the forward wait on the host link."""
 
     kernels: str = "auto"
     fused_layers: bool = True
@@ -40,6 +43,7 @@ class EngineOptions:
     mlp_chunk_mib: float = 256.0
     mlp_forward_chunk_factor: float = 2.0
     link_gbs: float = 50.0
+    trim_offload: bool = True
 
     def __post_init__(self):
         if self.kernels not in KERNELS:

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -58,6 +58,10 @@ HEADROOM_HIDDEN = 4
 # (Llama-3.1-8B offloads all 31 layers without waiting; Llama-3.2-1B ran slower offloading every
 # layer's attention state than recomputing).
 FWD_FLOPS_PER_S = 650e12
+# The same with an FP8 base (--precision fp8): measured on an H200 (Llama-3.1-8B, 28 layers'
+# attention state offloaded, ~8.5 GB a step at ~55 GB/s), the forward waited ~20 ms a step on the
+# copies at 650e12: its GEMMs run ~1.25x faster (the step: 1.245x-1.295x bf16's).
+FP8_FWD_FLOPS_PER_S = 810e12
 
 # The autograd path (no fused layers: LoRA dropout, full fine-tuning, --no-fused-layers,
 # --compile) keeps what autograd saves: ~ACT_FACTOR * (8 hidden + 3 intermediate + 3 kv) values
@@ -104,6 +108,7 @@ class Workload:
     # shared-prompt pairs (data/preference.py): `tokens` still bounds a pass (a row holds at
     # most two sequences' worth), and attention gathers k/v per layer (gathered_kv_bytes)
     shared_prompt: bool = False
+    fp8: bool = False  # an FP8 base (--precision fp8): a faster forward (FP8_FWD_FLOPS_PER_S)
 
 
 def gathered_kv_bytes(w: Workload) -> float:
@@ -133,8 +138,9 @@ class MemoryPlan:
     loss_chunk_bytes: int | None = None
 
 
-def kept_bytes(w: Workload, keep: Keep) -> int:
-    """Bytes one layer keeps for backward at `keep`."""
+def kept_bytes(w: Workload, keep: Keep, keep_qkv: bool = True) -> int:
+    """Bytes one layer keeps for backward at `keep` (keep_qkv: LayerPlan's; the fused path
+    only)."""
     if w.autograd:
         if keep == Keep.ALL:
             c = w.cfg
@@ -143,17 +149,55 @@ def kept_bytes(w: Workload, keep: Keep) -> int:
             return int(ACT_FACTOR * w.itemsize * w.tokens * (
                 8 * c.hidden_size + 3 * c.mlp_width + 3 * c.kv_size + routed + gathered))
         return w.tokens * w.itemsize * w.cfg.hidden_size  # torch.utils.checkpoint: its input
-    return FusedExecutor.kept_bytes(w.cfg, w.tokens, keep, w.itemsize, w.lora_ranks)
+    return FusedExecutor.kept_bytes(w.cfg, w.tokens, keep, w.itemsize, w.lora_ranks, keep_qkv)
 
 
-def offload_capacity(w: Workload, keep: Keep = Keep.ATTENTION) -> int:
+def plan_kept_bytes(w: Workload, p: LayerPlan) -> int:
+    """Bytes the layer planned by `p` keeps for backward."""
+    return kept_bytes(w, p.keep, p.keep_qkv)
+
+
+def forward_seconds(w: Workload) -> float:
+    """The forward's matmul time over all layers, at the rate the planner assumes."""
+    rate = FP8_FWD_FLOPS_PER_S if w.fp8 else FWD_FLOPS_PER_S
+    return w.cfg.num_hidden_layers * FusedExecutor.forward_flops(w.cfg, w.tokens) / rate
+
+
+def offload_capacity(w: Workload, keep: Keep = Keep.ATTENTION, keep_qkv: bool = True) -> int:
     """How many layers' state at `keep` the host link takes during one forward without holding
     it up: all layers' forward time over one layer's copy time, plus the copies still allowed in
     flight when the forward ends."""
     L = w.cfg.num_hidden_layers
-    forward_s = L * FusedExecutor.forward_flops(w.cfg, w.tokens) / FWD_FLOPS_PER_S
-    copy_s = kept_bytes(w, keep) / w.options.link_bytes_per_s
-    return min(L, int(forward_s / copy_s) + IN_FLIGHT_LAYERS)
+    copy_s = kept_bytes(w, keep, keep_qkv) / w.options.link_bytes_per_s
+    return min(L, int(forward_seconds(w) / copy_s) + IN_FLIGHT_LAYERS)
+
+
+def link_budget_bytes(w: Workload) -> float:
+    """Bytes the host link carries during one forward without holding it up, plus the copies
+    still allowed in flight when it ends (IN_FLIGHT_LAYERS full attention states)."""
+    return (forward_seconds(w) * w.options.link_bytes_per_s
+            + IN_FLIGHT_LAYERS * kept_bytes(w, Keep.ATTENTION))
+
+
+def trim_for_link(w: Workload, plans: list[LayerPlan]) -> list[LayerPlan]:
+    """`plans` with q/k/v left to backward (keep_qkv=False) on as few offloaded layers as make
+    their copies fit the host link's budget (link_budget_bytes), the lowest layers first (their
+    copies start first); every other layer keeps its q/k/v. One GEMM a trimmed layer against the
+    forward waiting on the copies: where the link keeps up, nothing is trimmed."""
+    plans = [p if p is None or p.keep_qkv else replace(p, keep_qkv=True) for p in plans]
+    if w.autograd or not w.options.trim_offload:
+        return plans
+    offloaded = [i for i, p in enumerate(plans)
+                 if p is not None and p.offload and p.keep >= Keep.ATTENTION]
+    full = sum(plan_kept_bytes(w, plans[i]) for i in offloaded)
+    excess = full - link_budget_bytes(w)
+    saved = kept_bytes(w, Keep.ATTENTION) - kept_bytes(w, Keep.ATTENTION, keep_qkv=False)
+    for i in offloaded:
+        if excess <= 0:
+            break
+        plans[i] = replace(plans[i], keep_qkv=False)
+        excess -= saved
+    return plans
 
 
 def mlp_chunk_bytes(w: Workload, forward: bool = False) -> int:
@@ -239,7 +283,7 @@ def plan_peak_bytes(w: Workload, plans: list[LayerPlan],
     """GPU bytes beside weights and optimizer state at the step's peak under `plans`: the
     largest phase (module docstring). On the autograd path every layer's saved tensors live to
     the end of the forward, so it is all that is kept plus its working set."""
-    kept = [kept_bytes(w, p.keep) for p in plans]
+    kept = [plan_kept_bytes(w, p) for p in plans]
     gpu = [0 if p.offload else k for p, k in zip(plans, kept)]
     ws = working_set_bytes(w)
     ref = reference_pass_bytes(w, loss_chunk_bytes) if w.reference_pass else 0.0
@@ -266,7 +310,7 @@ def plan_peak_bytes(w: Workload, plans: list[LayerPlan],
         whole = p.keep == Keep.ALL
         forward = below + in_flight(i) + rest + (whole_fwd if whole else mlp_fwd)
         prefetch = kept[i - 1] if i > 0 and plans[i - 1].offload else 0
-        own = max(kept[i], k1)  # a layer that kept only its input rebuilds its attention state
+        own = max(kept[i], k1)  # a layer that kept less than its attention state rebuilds it
         backward = below + own + prefetch + rest + (whole_bwd if whole else mlp_bwd)
         peak = max(peak, forward, backward)
         below += gpu[i]
@@ -285,24 +329,29 @@ def with_generation(w: Workload, train_peak: float) -> float:
 
 def recompute_flops(w: Workload, plans: list[LayerPlan]) -> float:
     """Matmul FLOPs a plan spends recomputing in backward: what the planner minimises.
-    INPUT recomputes every projection but down; ATTENTION, gate and up; ALL, none."""
+    INPUT recomputes every projection but down; ATTENTION, gate and up; ALL, none; a layer
+    without its q/k/v (keep_qkv=False) the q/k/v projection besides."""
     c = w.cfg  # (MoE: gate/up of the routed rows, mlp_width = k x the expert's width)
     per = {Keep.INPUT: 2.0 * w.tokens * c.hidden_size * (2 * c.q_size + 2 * c.kv_size
                                                          + 2 * c.mlp_width),
            Keep.ATTENTION: 2.0 * w.tokens * c.hidden_size * 2 * c.mlp_width,
            Keep.ALL: 0.0}
-    return sum(per[p.keep] for p in plans)
+    qkv = FusedExecutor.qkv_flops(c, w.tokens)
+    return sum(per[p.keep] + (0.0 if p.keep_qkv or p.keep == Keep.INPUT else qkv)
+               for p in plans)
 
 
 def _offloads(w: Workload, keep: Keep, host_bytes: float | None) -> int:
-    """How many first layers may offload their state at `keep`: what the host link carries,
-    where the host has room (leaving it half its memory); never the last layer (its state is
-    needed right after the forward)."""
+    """How many first layers may offload their state at `keep`: what the host link carries
+    (attention state: with q/k/v left to backward where that is on, trim_for_link), where the
+    host has room (leaving it half its memory); never the last layer (its state is needed right
+    after the forward)."""
     L = w.cfg.num_hidden_layers
     host = host_memory_bytes() if host_bytes is None else host_bytes
     if w.autograd or host < 2 * L * kept_bytes(w, keep):
         return 0
-    return max(0, min(L - 1, offload_capacity(w, keep)))
+    trim = keep >= Keep.ATTENTION and w.options.trim_offload
+    return max(0, min(L - 1, offload_capacity(w, keep, keep_qkv=not trim)))
 
 
 def _base_plans(w: Workload, room: float, host_bytes: float | None,
@@ -318,7 +367,7 @@ def _base_plans(w: Workload, room: float, host_bytes: float | None,
         return plan_peak_bytes(w, ps, loss_chunk)
 
     inputs = [LayerPlan(Keep.INPUT)] * L
-    offload_state = [[LayerPlan(Keep.ATTENTION, offload=True)] * n + inputs[n:]
+    offload_state = [trim_for_link(w, [LayerPlan(Keep.ATTENTION, offload=True)] * n + inputs[n:])
                      for n in range(_offloads(w, Keep.ATTENTION, host_bytes), 0, -1)]
     offload_inputs = [[LayerPlan(Keep.INPUT, offload=True)] * n + inputs[n:]
                       for n in range(_offloads(w, Keep.INPUT, host_bytes), 0, -1)]
@@ -357,7 +406,8 @@ def plan_layers(w: Workload, budget_bytes: float, fixed_bytes: float,
         if not fits(trial):
             break
         plans = trial
-    return plans
+    # (the layers kept on the GPU take no copies: the offloaded ones left may trim less)
+    return trim_for_link(w, plans)
 
 
 def _loss_chunks(w: Workload) -> list[int | None]:
@@ -425,6 +475,8 @@ def describe(plans: list) -> str:
     counts: dict[str, int] = {}
     for p in plans:
         what = "autograd" if p is None else names[(p.keep, p.offload)]
+        if p is not None and not p.keep_qkv and p.keep >= Keep.ATTENTION:
+            what += " without q/k/v"
         counts[what] = counts.get(what, 0) + 1
     return ", ".join(f"{n} {what}" for what, n in counts.items())
 

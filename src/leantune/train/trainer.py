@@ -226,7 +226,8 @@ class Trainer(StepRunner):
                         reference_pass=getattr(self.objective, "needs_reference", False),
                         reference_bytes=self.reference_bytes,
                         generation=getattr(self.objective, "generation_shape", None),
-                        shared_prompt=getattr(self.objective, "shared_prompt", False))
+                        shared_prompt=getattr(self.objective, "shared_prompt", False),
+                        fp8=cfg.precision == "fp8")
         policy = cfg.activations
         if policy == "auto" and cuda:
             fixed = self._fixed_bytes()

@@ -246,14 +246,18 @@ def fused_layer_checks(dev):
                 attach(m, pl, EngineOptions(attention=attention))
                 first = run()
                 again = run()  # pinned buffers reused
-                seen[name, attention] = first
-                if name == "offload without q/k/v":  # against keeping them: bit for bit
-                    kept = seen["offload", attention]
+                seen[name, attention] = first, again
+                if name == "offload without q/k/v":  # against keeping them: bit for bit where
+                    # attention's backward is deterministic (cuDNN), else within its own
+                    # run-to-run spread (flash's dq accumulates in any order)
+                    kept, kept_again = seen["offload", attention]
                     record("gpu_check", what="fused layer offload without q/k/v vs with",
                            family=family, window=window, attention=attention,
                            rows="one document each" if dense else "packed",
                            bit_identical=bool(torch.equal(first[0], kept[0])
-                                              and torch.equal(first[1], kept[1])))
+                                              and torch.equal(first[1], kept[1])),
+                           grad_rel=rel(first[1], kept[1]),
+                           kept_repeat_grad_rel=rel(kept_again[1], kept[1]))
                 record("gpu_check", what=f"fused layer {name} vs autograd (bf16)", family=family,
                        window=window, rows="one document each" if dense else "packed",
                        attention=attention, loss_rel=rel(first[0], ref[0]),

@@ -58,10 +58,11 @@ HEADROOM_HIDDEN = 4
 # (Llama-3.1-8B offloads all 31 layers without waiting; Llama-3.2-1B ran slower offloading every
 # layer's attention state than recomputing).
 FWD_FLOPS_PER_S = 650e12
-# The same with an FP8 base (--precision fp8): measured on an H200 (Llama-3.1-8B, 28 layers'
-# attention state offloaded, ~8.5 GB a step at ~55 GB/s), the forward waited ~20 ms a step on the
-# copies at 650e12: its GEMMs run ~1.25x faster (the step: 1.245x-1.295x bf16's).
-FP8_FWD_FLOPS_PER_S = 810e12
+# The same with an FP8 base (--precision fp8), in the planner's units (copies at link_gbs):
+# measured on an H200 (Llama-3.1-8B, 8192 tokens, 12 GiB), the FP8 forward's compute takes ~125
+# ms (~910 TFLOP/s of projections), and at 810e12 the planner's copies (7.6 GB, ~55 GB/s) still
+# held it ~12 ms a step (bench/profile_step.py's idle causes).
+FP8_FWD_FLOPS_PER_S = 900e12
 
 # The autograd path (no fused layers: LoRA dropout, full fine-tuning, --no-fused-layers,
 # --compile) keeps what autograd saves: ~ACT_FACTOR * (8 hidden + 3 intermediate + 3 kv) values

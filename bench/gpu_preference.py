@@ -144,6 +144,16 @@ def bench_leantune(args, items, device, precompute: bool, shared: bool = True) -
                              ("whole DPO step", step)):
                 ms = 1e3 * median(step_times(fn, 1, args.steps, device))
                 print(f"phase  {name:<30} {ms:8.1f} ms", flush=True)
+            if args.profile:  # each phase's kernels, idle gaps and matmuls (profile_step's)
+                from profile_step import kernel_profile
+
+                def reference_pass():
+                    with torch.no_grad():
+                        reference_logps(model, batch)
+                for name, fn in (("reference pass", reference_pass),
+                                 ("policy fwd+bwd", policy_only)):
+                    print(f"profile  {name}", flush=True)
+                    kernel_profile(fn, args.shape, name, top=15)
             b = batch.batch
             print(f"phase  packed rows {tuple(b.input_ids.shape)}, documents "
                   f"{b.cu_seqlens.numel() - 1}, targets {int((b.labels != -100).sum())}",
@@ -227,6 +237,9 @@ def main(argv=None) -> int:
                     help="leantune's pairs as shared-prompt documents (on), two documents a "
                          "pair (off), or both, one after the other (default)")
     ap.add_argument("--no-baseline", action="store_true", help="skip TRL")
+    ap.add_argument("--profile", action="store_true",
+                    help="with --phases: profile the reference pass and the policy pass "
+                         "(bench/profile_step.py's kernel, idle and matmul tables)")
     ap.add_argument("--phases", action="store_true",
                     help="also time the reference pass, the policy pass and an SFT step apart")
     ap.add_argument("--device", default="cuda")

@@ -59,12 +59,20 @@ def profile(shape, policy, tokens_rows, seq, device):
     torch.cuda.synchronize()
     record("memory", shape=shape, policy=policy, peak_fwd_gib=round(peak_fwd, 3),
            peak_step_gib=round(torch.cuda.max_memory_allocated() / 2**30, 3))
+    kernel_profile(lambda: trainer.train_step([b]), shape, policy)
+    del trainer
+    torch.cuda.empty_cache()
+
+
+def kernel_profile(fn, shape, policy, steps: int = 2, top: int = 25):
+    """Profile `steps` calls of `fn` (warmed up by the caller): kernel time by category and by
+    kernel (the `top` largest), the compute stream's idle gaps and their causes, the matmuls by
+    shape; one JSON line each (`shape`, `policy`: their labels)."""
     from torch.profiler import ProfilerActivity, profile as tprofile
-    steps = 2
     with tprofile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU],
                   record_shapes=True, with_stack=WITH_STACK) as prof:
         for _ in range(steps):
-            trainer.train_step([b])
+            fn()
         torch.cuda.synchronize()
     by_cat, by_name, count = defaultdict(float), defaultdict(float), defaultdict(int)
     t_min, t_max = float("inf"), 0.0
@@ -81,12 +89,10 @@ def profile(shape, policy, tokens_rows, seq, device):
     record("profile", shape=shape, policy=policy, step_ms=round(wall, 2),
            kernel_ms=round(busy, 2), **{k: round(v, 2) for k, v in sorted(by_cat.items())},
            launches=sum(count.values()) // steps)
-    for name, ms in sorted(by_name.items(), key=lambda kv: -kv[1])[:25]:
+    for name, ms in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]:
         print(f"   {ms:8.2f} ms  x{count[name] // steps:4d}  {name}", flush=True)
     idle_gaps(prof, steps, shape, policy)
     gemm_table(prof, steps, shape, policy)
-    del trainer
-    torch.cuda.empty_cache()
 
 
 def idle_gaps(prof, steps, shape, policy, top=12):

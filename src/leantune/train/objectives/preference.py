@@ -217,10 +217,12 @@ def policy_logps(model, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
 @torch.no_grad()
 def reference_logps(model, batch) -> torch.Tensor:
     """[D] summed completion log-probs of the reference: the base with every adapter off, no
-    graph (so the plain layer path on the fast kernels)."""
+    graph, through the fused layers' forward where they are attached (engine.fused_no_grad:
+    packed GEMMs of the base alone), else the plain layer path."""
+    from ...engine import fused_no_grad
     from ...lora import adapters_disabled
 
-    with adapters_disabled(model):
+    with adapters_disabled(model), fused_no_grad(model):
         out = model(batch=batch.batch, token_logps=True)
     return output_logps(out, batch)
 

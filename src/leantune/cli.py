@@ -179,9 +179,6 @@ def _train_parser(sub) -> None:
                    help="offloaded layers always keep q/k/v (by default, where their copies "
                         "would outrun the forward, the fewest needed project q/k/v again in "
                         "backward instead of making the forward wait on the host link)")
-    e.add_argument("--no-fused-reference", dest="fused_reference", action="store_false",
-                   default=None, help="the no-grad reference pass (DPO, KTO, GRPO) runs the "
-                                      "plain layer path instead of the fused layers' forward")
     a("--log-every", type=int, help="log every N steps (default 1)")
     a("--report-to", help="also send metrics to tensorboard (OUTPUT/tensorboard), wandb, or both "
                           "(comma list); default none")

@@ -14,8 +14,6 @@ imports the model, never the reverse.
 
 from __future__ import annotations
 
-import contextlib
-
 from .activation_store import ActivationStore
 from .attention import AttentionBackend
 from .executor import (CheckpointExecutor, FusedExecutor, Keep, LayerPlan, fused_unsupported,
@@ -90,26 +88,6 @@ def detach(model) -> None:
         layer.executor = None
 
 
-@contextlib.contextmanager
-def fused_no_grad(model):
-    """Within the block, no-grad forwards of `model` run its fused executors' forward (packed
-    GEMMs, fused norms / RoPE / GLU; nothing kept) instead of the plain layer path, on layers
-    whose executor is a FusedExecutor with EngineOptions.fused_reference on. For training-shaped
-    batches only (a reference pass): the plain path alone knows generation's KV cache. With the
-    adapters switched off (lora.adapters_disabled) the packed GEMMs run the base alone."""
-    inner = getattr(model, "module", model)  # (DDP)
-    layers = [layer for layer in getattr(inner, "layers", ())
-              if isinstance(layer.executor, FusedExecutor)
-              and layer.executor.options.fused_reference]
-    for layer in layers:
-        layer.fused_no_grad = True
-    try:
-        yield
-    finally:
-        for layer in layers:
-            layer.fused_no_grad = False
-
-
 def compile_layers(model, **kwargs) -> None:
     """torch.compile each decoder layer as one region (layers share the compiled code). Compiled
     layers run plainly: no executor."""
@@ -120,4 +98,4 @@ def compile_layers(model, **kwargs) -> None:
 
 __all__ = ["ActivationStore", "AttentionBackend", "CheckpointExecutor", "DenseWeights", "Engine",
            "EngineOptions", "FusedExecutor", "Keep", "LayerPlan", "attach", "compile_layers",
-           "detach", "fused_no_grad", "fused_unsupported", "has_expert_lora", "lora_ranks"]
+           "detach", "fused_unsupported", "has_expert_lora", "lora_ranks"]

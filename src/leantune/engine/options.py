@@ -32,10 +32,7 @@ class EngineOptions:
     link_gbs: the host link rate (GB/s, each way) the planner assumes for offloading.
     trim_offload: where the offloaded layers' copies would outrun the forward, the planner has
         the fewest it needs keep no q/k/v (projected again in backward: engine/planner.
-        trim_for_link) instead of letting the forward wait on the host link.
-    fused_reference: no-grad reference passes (the preference objectives' and GRPO's reference
-        log-probs: engine.fused_no_grad) run the fused layers' forward (packed GEMMs, fused
-        norms and GLU, base only with the adapters off) instead of the plain layer path."""
+        trim_for_link) instead of letting the forward wait on the host link."""
 
     kernels: str = "auto"
     fused_layers: bool = True
@@ -47,7 +44,6 @@ class EngineOptions:
     mlp_forward_chunk_factor: float = 2.0
     link_gbs: float = 50.0
     trim_offload: bool = True
-    fused_reference: bool = True
 
     def __post_init__(self):
         if self.kernels not in KERNELS:

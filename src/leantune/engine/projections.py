@@ -22,8 +22,7 @@ from .weights import DenseWeights
 class ProjectionGroup:
     """Projections `mods` (LoRALinear, frozen base) reading one input, their LoRA weights cast to
     the compute dtype once per layer run; weights from `weights` (the provider), packed where
-    `pack`. Without gradients an adapter scaled by 0 (lora.adapters_disabled: a reference pass)
-    is left out: no x A^T, zero LoRA columns in the packed input, the base alone."""
+    `pack`."""
 
     def __init__(self, mods, dtype: torch.dtype, weights: DenseWeights, pack: bool):
         self.mods = mods
@@ -33,15 +32,13 @@ class ProjectionGroup:
         self.packed = self.source.packed is not None
         self.width = self.source.width if self.packed else self.in_f
         self.bias = [None if m.bias is None else m.bias.to(dtype) for m in mods]
-        grad = torch.is_grad_enabled()
-        self.on = [m.has_lora and (grad or m.scaling != 0) for m in mods]  # adapters applied
-        lora = [m for m, on in zip(mods, self.on) if on]
+        lora = [m for m in mods if m.has_lora]
         self.R = sum(m.r for m in lora)
         self.a = torch.cat([m.lora_A.weight for m in lora]).to(dtype) if lora else None
         self.b, self.cols = [], []
         c = 0
-        for m, on in zip(mods, self.on):
-            if on:
+        for m in mods:
+            if m.has_lora:
                 self.b.append(m.lora_B.weight.to(dtype))
                 self.cols.append(slice(c, c + m.r))
                 c += m.r

@@ -105,9 +105,7 @@ class DecoderLayer(nn.Module):
     `executor`: None (plain autograd), or an object the engine sets, called as
     executor(layer, x, cos, sin, meta) while gradients are recorded; it computes the same
     output and owns what is kept for backward. It is called inside `forward`, so module hooks
-    (FSDP2's unshard, for one) fire around it as around the plain path. Without gradients the
-    plain path runs, except inside engine.fused_no_grad (`fused_no_grad` set: the no-grad
-    reference passes, through an executor that runs them)."""
+    (FSDP2's unshard, for one) fire around it as around the plain path."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -125,7 +123,6 @@ class DecoderLayer(nn.Module):
         self.mlp = MoEBlock(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg)
         self.rope_key = cfg.rope_key(layer_idx)  # which of the batch's RoPE tables it reads
         self.executor = None
-        self.fused_no_grad = False  # engine.fused_no_grad: the executor's forward without grad
 
     def norm(self, role: str) -> RMSNorm | None:
         """The norm playing `role` ("attn_in", "attn_out", "mlp_in", "mlp_out"), or None."""
@@ -134,7 +131,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, meta: AttentionMeta):
         """x: [B, T, H] -> [B, T, H]."""
-        if self.executor is not None and (torch.is_grad_enabled() or self.fused_no_grad):
+        if self.executor is not None and torch.is_grad_enabled():
             return self.executor(self, x, cos, sin, meta)
         return self.plain_forward(x, cos, sin, meta)
 

@@ -332,19 +332,16 @@ class GRPOObjective(Objective):
         """Old log-probs (num_iterations > 1) and reference log-probs (beta > 0), no graph."""
         if self.s.num_iterations == 1 and self.beta == 0:
             return
-        from ...engine import fused_no_grad
         from ...lora import adapters_disabled
 
         t = self.s.temperature
         for rb in window:
             d = rb.to(device)
-            with torch.no_grad(), fused_no_grad(model):  # (the fused layers' forward)
-                if self.s.num_iterations > 1:
-                    rb.old_logps = completion_logps(model, d.batch, d.index, d.mask, t).cpu()
-                if self.beta > 0:
-                    with adapters_disabled(model):
-                        rb.ref_logps = completion_logps(model, d.batch, d.index, d.mask,
-                                                        t).cpu()
+            if self.s.num_iterations > 1:
+                rb.old_logps = completion_logps(model, d.batch, d.index, d.mask, t).cpu()
+            if self.beta > 0:
+                with adapters_disabled(model):
+                    rb.ref_logps = completion_logps(model, d.batch, d.index, d.mask, t).cpu()
 
     def _rollout_metrics(self, table, total, comp_ids, truncated, adv, gen_s) -> None:
         def mean_std(xs):

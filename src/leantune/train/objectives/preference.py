@@ -217,12 +217,10 @@ def policy_logps(model, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
 @torch.no_grad()
 def reference_logps(model, batch) -> torch.Tensor:
     """[D] summed completion log-probs of the reference: the base with every adapter off, no
-    graph, through the fused layers' forward where they are attached (engine.fused_no_grad:
-    packed GEMMs of the base alone), else the plain layer path."""
-    from ...engine import fused_no_grad
+    graph (so the plain layer path on the fast kernels)."""
     from ...lora import adapters_disabled
 
-    with adapters_disabled(model), fused_no_grad(model):
+    with adapters_disabled(model):
         out = model(batch=batch.batch, token_logps=True)
     return output_logps(out, batch)
 

@@ -26,7 +26,11 @@
     GLU (--tokens x 14336) forward writing their output's e4m3 codes as they write it (the
     cuBLAS GEMM's input, kernels/fp8_quant.QuantizedRows) against the kernel alone and the
     kernel followed by the quantize_rows pass (LEANTUNE_FP8_FUSED_QUANT=0); codes checked equal.
-    In (b), --fused-quant on off runs each fp8 policy both ways (LEANTUNE_FP8_FUSED_QUANT).
+    In (b), --fused-quant on off runs each fp8 policy both ways (LEANTUNE_FP8_FUSED_QUANT), and
+    --trim on off each policy with offloaded layers trimmed of q/k/v or not (LEANTUNE_TRIM_OFFLOAD).
+(f) gate/up's LoRA terms in the GLU kernels (--parts glu; EngineOptions.fuse_glu_lora): ms of the
+    GLU forward (writing FP8 codes) and backward with the terms added in the kernel against two
+    rank-16 addmm_ passes over gate | up before it (LEANTUNE_FUSE_GLU_LORA=0 in a step).
 
     python bench/gpu_fp8.py                 # both parts on the GPU (~3 min on an H200)
     python bench/gpu_fp8.py --parts gemm    # (a) only
@@ -456,12 +460,82 @@ def quant_part(args, device) -> list[dict]:
     return rows
 
 
+def glu_part(args, device) -> list[dict]:
+    """(f) gate/up's LoRA terms on an FP8 base (R = 32: r16 on gate and on up) at --tokens rows
+    of Llama-3.1-8B's MLP: added by two rank-16 addmm_ passes over gate | up and then the GLU
+    (fuse_glu_lora off), or inside the GLU kernels (on); forward (with the fused FP8 codes) and
+    backward (in place, writing h); the fused results against the unfused (max rel err)."""
+    from leantune.kernels.fp8_quant import QuantizedRows
+    from leantune.kernels.swiglu import ACTS, glu_bwd_, glu_fwd
+
+    M = args.tokens
+    inter, R = (384, 32) if args.tiny else (14336, 32)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def rnd(*shape, std=1.0):
+        return torch.empty(*shape, device=device, dtype=dtype).normal_(0, std, generator=g)
+
+    gu0, xa, dy0 = rnd(M, 2 * inter), rnd(M, R), rnd(M, inter)
+    b_gate, b_up = rnd(inter, R // 2, std=0.05), rnd(inter, R // 2, std=0.05)
+    bg = torch.zeros(inter, R, device=device, dtype=dtype)
+    bu = torch.zeros_like(bg)
+    bg[:, :R // 2], bu[:, R // 2:] = b_gate, b_up
+    h = rnd(M, inter)
+    silu = ACTS["silu"]
+
+    def unfused_fwd(gu):
+        gu[:, :inter].addmm_(xa[:, :R // 2], b_gate.t())
+        gu[:, inter:].addmm_(xa[:, R // 2:], b_up.t())
+        glu_fwd(gu[:, :inter], gu[:, inter:], silu, out=h, quant=QuantizedRows.empty(h).targets)
+
+    def fused_fwd(gu):
+        glu_fwd(gu[:, :inter], gu[:, inter:], silu, out=h, quant=QuantizedRows.empty(h).targets,
+                lora=(xa, bg, bu))
+
+    def unfused_bwd(gu, dy):
+        gu[:, :inter].addmm_(xa[:, :R // 2], b_gate.t())
+        gu[:, inter:].addmm_(xa[:, R // 2:], b_up.t())
+        glu_bwd_(dy, gu[:, :inter], gu[:, inter:], silu, h_out=dy)
+
+    def fused_bwd(gu, dy):
+        glu_bwd_(dy, gu[:, :inter], gu[:, inter:], silu, h_out=dy, lora=(xa, bg, bu))
+
+    rows = []
+    with kernels.backend("triton"):
+        gu, dy = gu0.clone(), dy0.clone()
+        row = dict(M=M, I=inter, R=R,
+                   fwd_unfused_ms=time_ms(lambda: unfused_fwd(gu0.clone()), device)
+                   - time_ms(lambda: gu0.clone(), device),
+                   fwd_fused_ms=time_ms(lambda: fused_fwd(gu0), device),
+                   bwd_unfused_ms=time_ms(lambda: unfused_bwd(gu0.clone(), dy0.clone()), device)
+                   - time_ms(lambda: (gu0.clone(), dy0.clone()), device),
+                   bwd_fused_ms=time_ms(lambda: fused_bwd(gu0.clone(), dy0.clone()), device)
+                   - time_ms(lambda: (gu0.clone(), dy0.clone()), device))
+        # the results: fused against unfused (the unfused rounds gate / up to 16 bits first)
+        a = gu0.clone()
+        unfused_fwd(a)
+        h_unfused = h.clone()
+        fused_fwd(gu0)
+        row["fwd_rel_err"] = rel_err(h, h_unfused)
+        a, da = gu0.clone(), dy0.clone()
+        unfused_bwd(a, da)
+        fused_bwd(gu, dy)
+        row["bwd_rel_err"] = max(rel_err(gu, a), rel_err(dy, da))
+    row["saved_ms"] = (row["fwd_unfused_ms"] - row["fwd_fused_ms"]
+                       + row["bwd_unfused_ms"] - row["bwd_fused_ms"])
+    record("fp8_glu_lora", **row)
+    rows.append(row)
+    return rows
+
+
 def _f(v, fmt="{:.4g}"):
     return "-" if v is None else fmt.format(v)
 
 
 def print_table(gemms: list[dict], steps: list[dict], losses: list[dict] = (),
-                decodes: list[dict] = (), quants: list[dict] = ()) -> None:
+                decodes: list[dict] = (), quants: list[dict] = (),
+                glus: list[dict] = ()) -> None:
     if gemms:
         print("\nGEMM    M x N x K        TFLOP/s: bf16 fwd / dX | triton fp8 fwd / dX(T) / "
               "dX(direct) [fwd, quant in-kernel] | speedup | rel err bf16 / fp8 | kernel vs "
@@ -498,6 +572,11 @@ def print_table(gemms: list[dict], steps: list[dict], losses: list[dict] = (),
             print(f"       {r['kernel']:<8} {r['M']}x{r['K']:<10} {r['alone_ms']:8.3f} | "
                   f"{r['then_quant_ms']:8.3f} | {r['fused_ms']:8.3f} | {r['saved_ms']:7.3f} | "
                   f"{'yes' if r['codes_equal'] else 'NO'}")
+    for r in glus:
+        print(f"\nglu+lora M {r['M']} I {r['I']} R {r['R']}: fwd unfused {r['fwd_unfused_ms']:.3f} "
+              f"/ fused {r['fwd_fused_ms']:.3f} ms, bwd unfused {r['bwd_unfused_ms']:.3f} / fused "
+              f"{r['bwd_fused_ms']:.3f} ms, saved {r['saved_ms']:.3f} ms a layer; rel err fwd "
+              f"{r['fwd_rel_err']:.1e} bwd {r['bwd_rel_err']:.1e}")
     if steps:
         print("\nstep  shape         precision  gemm      policy     fused-q  trim  tok/s     "
               "peak GiB   plan")
@@ -521,7 +600,7 @@ def print_table(gemms: list[dict], steps: list[dict], losses: list[dict] = (),
 def main():
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--parts", nargs="+", default=["gemm", "step"],
-                    choices=["gemm", "step", "loss", "decode", "quant"])
+                    choices=["gemm", "step", "loss", "decode", "quant", "glu"])
     ap.add_argument("--fused-quant", nargs="+", default=["on"], choices=["on", "off"],
                     help="step: run each fp8 policy with LEANTUNE_FP8_FUSED_QUANT on / off")
     ap.add_argument("--trim", nargs="+", default=["on"], choices=["on", "off"],
@@ -556,7 +635,8 @@ def main():
     losses = loss_part(args, device) if "loss" in args.parts else []
     decodes = decode_part(args, device) if "decode" in args.parts else []
     quants = quant_part(args, device) if "quant" in args.parts else []
-    print_table(gemms, steps, losses, decodes, quants)
+    glus = glu_part(args, device) if "glu" in args.parts else []
+    print_table(gemms, steps, losses, decodes, quants, glus)
 
 
 if __name__ == "__main__":

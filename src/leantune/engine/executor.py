@@ -315,9 +315,12 @@ class _LayerRun:
         self.gu = ProjectionGroup(gu, dtype, w, pack=True)
         self.down = ProjectionGroup(down, dtype, w, pack=True)
         self.act = self.layer.mlp.act
+        # gate/up's LoRA where it is not inside their GEMM (an FP8 base; unpacked): added in the
+        # GLU kernels instead of two passes over gate | up (EngineOptions.fuse_glu_lora)
+        self.glu_terms = self.gu.glu_terms() if self.ex.options.fuse_glu_lora else None
 
     def _drop_groups(self):
-        self.qkv = self.o = self.gu = self.down = None
+        self.qkv = self.o = self.gu = self.down = self.glu_terms = None
 
     def _normed(self, norm, x2: torch.Tensor, group: ProjectionGroup,
                 xa: torch.Tensor | None = None, quantize: bool = False):
@@ -389,20 +392,33 @@ class _LayerRun:
         _, rstd = rms_norm_fwd(y, norm.weight, norm.eps, norm.offset)
         return rms_norm_bwd(dy.contiguous(), y, norm.weight, rstd, norm.offset)
 
-    def _down_input(self, gu: torch.Tensor):
-        """act(gate) * up for gate | up `gu` [n, 2 I] in a new input buffer of the down group,
-        x A^T filled in -> (Hb, xq): xq as _normed's (the GLU kernel writes the codes)."""
+    def _gate_up(self, X2: torch.Tensor, xq=None):
+        """gate | up [n, 2 I] for rows X2 of the gate/up input -> (gu, lora): with glu_terms,
+        gu without the LoRA terms and lora = (x A^T, bg, bu) for the GLU kernels to add them;
+        else gu with them and None."""
+        if self.glu_terms is None:
+            return self.gu.project(X2, xq=xq), None
+        return self.gu.project(X2, xq=xq, lora=False), self._glu_lora(X2)
+
+    def _glu_lora(self, X2: torch.Tensor):
+        """The GLU kernels' `lora` for rows X2 of the gate/up input (None without glu_terms)."""
+        return None if self.glu_terms is None else (self.gu.lora_x(X2), *self.glu_terms)
+
+    def _down_input(self, gu: torch.Tensor, lora=None):
+        """act(gate) * up for gate | up `gu` [n, 2 I] (with `lora`: _gate_up's, its terms added
+        in the kernel) in a new input buffer of the down group, x A^T filled in -> (Hb, xq): xq
+        as _normed's (the GLU kernel writes the codes)."""
         inter = self.layer.mlp.up_proj.out_features
         Hb = self.down.new_input(gu.shape[0], gu)
         xq = self.down.quantized_input(Hb)
         glu_fwd(gu[:, :inter], gu[:, inter:], self.act, out=Hb[:, :inter],
-                quant=None if xq is None else xq.targets)
+                quant=None if xq is None else xq.targets, lora=lora)
         self.down.fill_lora(Hb)
         return Hb, xq
 
-    def _down_out(self, gu: torch.Tensor) -> torch.Tensor:
+    def _down_out(self, gu: torch.Tensor, lora=None) -> torch.Tensor:
         """The down projection's output [n, H] for gate | up `gu` (its input rebuilt)."""
-        Hb, xq = self._down_input(gu)
+        Hb, xq = self._down_input(gu, lora)
         return self.down.project(Hb, xq=xq)
 
     @staticmethod
@@ -472,8 +488,11 @@ class _LayerRun:
                    if keeps_state and self.down.has_lora_cols else None)
         out_norm = self.layer.norm("mlp_out")  # (Gemma: the MLP's output normed)
         for rows in self._chunks(N, keep >= Keep.ALL, h_mid.element_size(), forward=True):
-            gu = self.gu.project(X2[rows], xq=self._rows(xq2, rows))  # [n, 2 I]: gate | up
-            Hb, xq = self._down_input(gu)
+            # [n, 2 I]: gate | up (with glu_terms, kept without their LoRA terms, as backward
+            # recomputes them)
+            gu, lora = self._gate_up(X2[rows], self._rows(xq2, rows))
+            Hb, xq = self._down_input(gu, lora)
+            del lora
             if xa_down is not None:
                 xa_down[rows] = self.down.lora_cols(Hb)
             if out_norm is None:
@@ -584,21 +603,24 @@ class _LayerRun:
         # d norm2(h_mid), in a buffer as wide as the gate/up group's input-gradient GEMM writes
         dxn2 = h_mid.new_empty(N, self.gu.grad_width())
         for rows in self._chunks(N, keep >= Keep.ALL, dout.element_size()):
-            gu = (kept_gu if keep >= Keep.ALL
-                  else self.gu.project(X2[rows], xq=self._rows(xq2, rows)))
+            if keep >= Keep.ALL:
+                gu, lora = kept_gu, self._glu_lora(X2[rows])
+            else:
+                gu, lora = self._gate_up(X2[rows], self._rows(xq2, rows))
             kept_gu = None
             ddown = dout[rows]  # the down projection's output gradient
             if self.layer.norm("mlp_out") is not None:  # through the MLP-out norm
-                ddown = self._through_out_norm("mlp_out", self._down_out(gu), ddown)
+                ddown = self._through_out_norm("mlp_out", self._down_out(gu, lora), ddown)
             da, ga = self.down.input_grad(ddown)
             # gate, up <- d gate, d up in place; da <- act(gate) * up, the down projection's input
-            glu_bwd_(da, gu[:, :inter], gu[:, inter:], self.act, h_out=da)
+            glu_bwd_(da, gu[:, :inter], gu[:, inter:], self.act, h_out=da, lora=lora)
             self.down.lora_grads(da, ddown, ga, grads,
                                  None if xa_down is None else xa_down[rows])
             del ddown
             del da, ga
-            self.gu.backward(X2[rows], gu, grads, out=dxn2[rows])
-            del gu
+            self.gu.backward(X2[rows], gu, grads, out=dxn2[rows],
+                             xa=None if lora is None else lora[0])
+            del gu, lora
         del xq2
         dxn2 = dxn2[:, :H]
         post = self.layer.norm("mlp_in")

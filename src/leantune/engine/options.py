@@ -32,7 +32,10 @@ class EngineOptions:
     link_gbs: the host link rate (GB/s, each way) the planner assumes for offloading.
     trim_offload: where the offloaded layers' copies would outrun the forward, the planner has
         the fewest it needs keep no q/k/v (projected again in backward: engine/planner.
-        trim_for_link) instead of letting the forward wait on the host link."""
+        trim_for_link) instead of letting the forward wait on the host link.
+    fuse_glu_lora: where gate/up's LoRA is not inside their GEMM (an FP8 base, or unpacked),
+        the GLU kernels add its low-rank terms (kernels/swiglu.py) instead of two passes over
+        the [tokens, 2 x intermediate] outputs that add them."""
 
     kernels: str = "auto"
     fused_layers: bool = True
@@ -44,6 +47,7 @@ class EngineOptions:
     mlp_forward_chunk_factor: float = 2.0
     link_gbs: float = 50.0
     trim_offload: bool = True
+    fuse_glu_lora: bool = True
 
     def __post_init__(self):
         if self.kernels not in KERNELS:

@@ -102,24 +102,28 @@ class ProjectionGroup:
         return self.source.quantized_input(X[:, :self.in_f])
 
     def project(self, X: torch.Tensor, resid: torch.Tensor | None = None,
-                out: torch.Tensor | None = None, xq=None) -> torch.Tensor:
+                out: torch.Tensor | None = None, xq=None, lora: bool = True) -> torch.Tensor:
         """X: new_input's buffer after fill_lora (or [n, in] if not packed) -> y [n, sum out]
         = x W_cat^T + bias + LoRA; with `resid` (one projection): resid + y, into `out`.
-        xq: X's quantized_input, filled (the base GEMMs read its codes), or None."""
+        xq: X's quantized_input, filled (the base GEMMs read its codes), or None. lora=False
+        (LoRA not inside the GEMM): without the LoRA terms, which the caller adds where it reads
+        y (glu_terms)."""
+        if not lora and self.lora_in_gemm:
+            raise ValueError("lora=False: this group's LoRA term is inside its packed GEMM")
         if self.packed:
             if X.shape[1] != self.width:
                 raise ValueError("packed group: pass new_input's buffer (after fill_lora)")
             y = self.source.mm_packed(X if xq is None else xq, out=out, resid=resid)
             if self.bias_cat is not None:
                 y.add_(self.bias_cat)
-            if self.a is not None and not self.lora_in_gemm:
+            if self.a is not None and not self.lora_in_gemm and lora:
                 xa = X @ self.a.t()
                 for yi, m, b, cols in zip(self.split(y), self.mods, self.b, self.cols):
                     if b is not None:
                         yi.addmm_(xa[:, cols], b.t(), alpha=m.scaling)
             return y
         x = X[:, :self.in_f]
-        xa = x @ self.a.t() if self.a is not None else None
+        xa = x @ self.a.t() if self.a is not None and lora else None
         xin = x if xq is None else xq
         if len(self.mods) == 1:
             y = self.source.mm(0, xin, out=out, resid=resid)
@@ -135,9 +139,29 @@ class ProjectionGroup:
         for yi, m, bias, b, cols in zip(ys, self.mods, self.bias, self.b, self.cols):
             if bias is not None:
                 yi.add_(bias)
-            if b is not None:
+            if b is not None and xa is not None:
                 yi.addmm_(xa[:, cols], b.t(), alpha=m.scaling)
         return y
+
+    def lora_x(self, X: torch.Tensor) -> torch.Tensor | None:
+        """x A_cat^T [n, R] for input X (a new_input buffer or [n, in]), None without LoRA."""
+        return None if self.a is None else X[:, :self.in_f] @ self.a.t()
+
+    def glu_terms(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For a gate | up group whose LoRA is not inside its GEMM: (bg, bu) [I, R], the
+        projections' s B placed in their own columns of x A_cat^T (zeros in the other's), the
+        low-rank terms glu_fwd / glu_bwd_ add in the kernel (`lora` = (lora_x, bg, bu)); None
+        where the group is not such a pair (made once per layer run)."""
+        if (self.a is None or self.lora_in_gemm or len(self.mods) != 2
+                or self.outs[0] != self.outs[1]):
+            return None
+        terms = []
+        for m, b, cols in zip(self.mods, self.b, self.cols):
+            t = torch.zeros(self.outs[0], self.R, dtype=self.a.dtype, device=self.a.device)
+            if b is not None:
+                t[:, cols] = b * m.scaling
+            terms.append(t)
+        return terms[0], terms[1]
 
     # --- backward ----------------------------------------------------------------------------
     def grad_width(self) -> int:
@@ -200,11 +224,13 @@ class ProjectionGroup:
                 _accumulate(grads, m.lora_A.weight, ga_x[cols], 1.0)
 
     def backward(self, X: torch.Tensor, dys, grads: dict, out: torch.Tensor | None = None,
-                 need_dx: bool = True) -> torch.Tensor | None:
+                 need_dx: bool = True, xa: torch.Tensor | None = None) -> torch.Tensor | None:
         """Input gradient (into `out`, [n, grad_width()] for one tensor dys; None without
-        need_dx) and LoRA grads for input X (a new_input buffer after fill_lora, or [n, in])."""
+        need_dx) and LoRA grads for input X (a new_input buffer after fill_lora, or [n, in];
+        xa: its x A_cat^T where the caller has it)."""
         dx, ga = self.input_grad(dys, out, need_dx)
-        xa = X[:, self.in_f:self.in_f + self.R] if self.R and X.shape[1] > self.in_f else None
+        if xa is None and self.R and X.shape[1] > self.in_f:
+            xa = X[:, self.in_f:self.in_f + self.R]
         self.lora_grads(X[:, :self.in_f], dys, ga, grads, xa)
         return dx
 

@@ -16,6 +16,10 @@ glu_fwd can also write its output's e4m3 codes and 1 x 128 block scales (`quant`
 a kernels/fp8_quant.QuantizedRows, for the cuBLAS FP8 down projection that reads it next),
 quantised in the same program from the rounded values it stores: equal to quantize_rows(out)
 bit for bit, without that pass over out.
+
+Both also take a low-rank term (`lora`: the gate/up projections' LoRA where it is not inside
+their GEMM, as on an FP8 base): gate + xa Bg^T and up + xa Bu^T, xa [n, R] = x A^T, computed in
+the kernel (one small tl.dot a tile, fp32) instead of two passes over gate and up that add it.
 """
 
 from __future__ import annotations
@@ -139,6 +143,115 @@ if triton is not None:
             tl.store(H + row * stride_h + offs, (a * u).to(H.dtype.element_ty), mask=mask)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _lora_tile(G, U, XA, BG, BU, rm, rn, rows, cols, R, stride_g, stride_u, stride_xa,
+                   stride_bg, stride_bu, BLOCK_R: tl.constexpr, IEEE: tl.constexpr):
+        """gate and up of the [rows rm, cols rn] tile with their low-rank terms, fp32:
+        g + xa Bg^T, u + xa Bu^T (xa [rows, R], Bg / Bu [cols, R])."""
+        rr = tl.arange(0, BLOCK_R)
+        mm, mn, mr = rm < rows, rn < cols, rr < R
+        mask = mm[:, None] & mn[None, :]
+        xa = tl.load(XA + rm[:, None] * stride_xa + rr[None, :], mask=mm[:, None] & mr[None, :],
+                     other=0.0)
+        bg = tl.load(BG + rn[None, :] * stride_bg + rr[:, None], mask=mr[:, None] & mn[None, :],
+                     other=0.0)
+        bu = tl.load(BU + rn[None, :] * stride_bu + rr[:, None], mask=mr[:, None] & mn[None, :],
+                     other=0.0)
+        g = tl.load(G + rm[:, None] * stride_g + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(U + rm[:, None] * stride_u + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+        # in fp32: 16-bit values are exact in TF32, whose products the tensor cores sum in fp32;
+        # fp32 inputs (IEEE) are multiplied without rounding to TF32
+        xa, bg, bu = xa.to(tl.float32), bg.to(tl.float32), bu.to(tl.float32)
+        if IEEE:
+            g += tl.dot(xa, bg, input_precision="ieee")
+            u += tl.dot(xa, bu, input_precision="ieee")
+        else:
+            g += tl.dot(xa, bg, input_precision="tf32")
+            u += tl.dot(xa, bu, input_precision="tf32")
+        return g, u, mask
+
+    @triton.jit
+    def _glu_lora_fwd_kernel(G, U, OUT, XA, BG, BU, Q, ST, rows, cols, R, stride_g, stride_u,
+                             stride_o, stride_xa, stride_bg, stride_bu, stride_s,
+                             ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_R: tl.constexpr, IEEE: tl.constexpr, QUANT: tl.constexpr,
+                             ROUND_FP32: tl.constexpr):
+        """out = act(g') * u' over one [BLOCK_M, BLOCK_N] tile, g' / u' with the low-rank
+        terms (_lora_tile). QUANT (BLOCK_N = 128): the tile's rows are 1 x 128 blocks, their
+        codes into Q [rows, cols] and scales into ST [cols / 128, rows], as _glu_fwd_rows'."""
+        rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        g, u, mask = _lora_tile(G, U, XA, BG, BU, rm, rn, rows, cols, R, stride_g, stride_u,
+                                stride_xa, stride_bg, stride_bu, BLOCK_R, IEEE)
+        a, _ = _act_and_grad(g, ACT)
+        h = (a * u).to(OUT.dtype.element_ty)
+        tl.store(OUT + rm[:, None] * stride_o + rn[None, :], h, mask=mask)
+        if QUANT:
+            q, sc = quantize_block(h.to(tl.float32), 1, ROUND_FP32)
+            tl.store(Q + rm[:, None] * cols + rn[None, :], q, mask=mask)
+            tl.store(ST + tl.program_id(1) * stride_s + rm, sc, mask=rm < rows)
+
+    @triton.jit
+    def _glu_lora_bwd_kernel(DY, G, U, H, XA, BG, BU, rows, cols, R, stride_dy, stride_g,
+                             stride_u, stride_h, stride_xa, stride_bg, stride_bu,
+                             ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_R: tl.constexpr, IEEE: tl.constexpr, WRITE_H: tl.constexpr):
+        """G <- d g', U <- d u' in place (the gradients of the gate / up outputs, LoRA term
+        included), H <- act(g') * u' with WRITE_H (H may alias DY: the tile is read first)."""
+        rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        g, u, mask = _lora_tile(G, U, XA, BG, BU, rm, rn, rows, cols, R, stride_g, stride_u,
+                                stride_xa, stride_bg, stride_bu, BLOCK_R, IEEE)
+        dy = tl.load(DY + rm[:, None] * stride_dy + rn[None, :], mask=mask,
+                     other=0.0).to(tl.float32)
+        a, da = _act_and_grad(g, ACT)
+        tl.store(G + rm[:, None] * stride_g + rn[None, :], (dy * u * da).to(G.dtype.element_ty),
+                 mask=mask)
+        tl.store(U + rm[:, None] * stride_u + rn[None, :], (dy * a).to(U.dtype.element_ty),
+                 mask=mask)
+        if WRITE_H:
+            tl.store(H + rm[:, None] * stride_h + rn[None, :], (a * u).to(H.dtype.element_ty),
+                     mask=mask)
+
+
+_LORA_BLOCK_M, _LORA_BLOCK_N = 32, 128  # (BLOCK_N: one 1 x 128 quantisation block a tile row)
+
+
+def _lora_launch(gate, lora):
+    """Grid and shared arguments of the low-rank kernels for gate [n, I], lora (xa, bg, bu)."""
+    xa, bg, bu = lora
+    n, cols = gate.shape
+    R = xa.shape[1]
+    grid = (triton.cdiv(n, _LORA_BLOCK_M), triton.cdiv(cols, _LORA_BLOCK_N))
+    meta = dict(BLOCK_M=_LORA_BLOCK_M, BLOCK_N=_LORA_BLOCK_N,
+                BLOCK_R=max(16, triton.next_power_of_2(R)), IEEE=xa.dtype == torch.float32,
+                num_warps=4)
+    return grid, R, meta
+
+
+def _check_lora(lora, gate) -> None:
+    xa, bg, bu = lora
+    n, cols = gate.shape
+    R = xa.shape[1]
+    if (xa.shape != (n, R) or bg.shape != (cols, R) or bu.shape != (cols, R)
+            or xa.stride(1) != 1 or bg.stride(1) != 1 or bu.stride(1) != 1
+            or not xa.dtype == bg.dtype == bu.dtype):
+        raise ValueError(f"lora: expected xa [{n}, R], bg / bu [{cols}, R] of one dtype with "
+                         f"contiguous columns, got {tuple(xa.shape)}, {tuple(bg.shape)}, "
+                         f"{tuple(bu.shape)}")
+
+
+def _with_lora_reference(gate, up, lora):
+    """(gate + xa bg^T, up + xa bu^T) in fp32 (or as they are without `lora`)."""
+    g, u = gate.float(), up.float()
+    if lora is None:
+        return g, u
+    xa, bg, bu = (t.float() for t in lora)
+    return g + xa @ bg.t(), u + xa @ bu.t()
+
+
 def _flat(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """(contiguous tensor, whether it is a copy made here)."""
     return (t, False) if t.is_contiguous() else (t.contiguous(), True)
@@ -247,19 +360,37 @@ def _check_rows(*ts: torch.Tensor) -> None:
 
 def glu_fwd(gate: torch.Tensor, up: torch.Tensor, act: int,
             out: torch.Tensor | None = None,
-            quant: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+            quant: tuple[torch.Tensor, torch.Tensor] | None = None,
+            lora: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """act(gate) * up for gate/up [n, I] -> out [n, I]; act: a value of ACTS.
 
     Rows may be strided (e.g. gate and up as the two column halves of one GEMM output, `out` the
     left columns of a wider buffer); columns must be contiguous. `quant`: (codes e4m3 [n, I]
     contiguous, scale_t fp32 [ceil(I / 128), n], unit column stride; a QuantizedRows' targets)
-    written with out's 1 x 128 block quantisation, equal to quantize_rows(out) bit for bit."""
+    written with out's 1 x 128 block quantisation, equal to quantize_rows(out) bit for bit.
+    `lora`: (xa [n, R], bg [I, R], bu [I, R]): gate + xa bg^T and up + xa bu^T go in, in fp32
+    (the LoRA terms, scalings in bg / bu; module docstring)."""
     out = torch.empty_like(gate, memory_format=torch.contiguous_format) if out is None else out
     _check_rows(gate, up, out)
     if quant is not None:
         from .fp8_quant import check_targets
 
         check_targets(quant, *out.shape, "glu_fwd")
+    if lora is not None:
+        _check_lora(lora, gate)
+    if use_triton(gate) and lora is not None:
+        if gate.numel():
+            xa, bg, bu = lora
+            codes, scale_t = quant if quant is not None else (out, out)
+            grid, R, meta = _lora_launch(gate, lora)
+            _glu_lora_fwd_kernel[grid](
+                gate, up, out, xa, bg, bu,
+                codes.view(torch.uint8) if quant is not None else codes, scale_t,
+                gate.shape[0], gate.shape[1], R, gate.stride(0), up.stride(0), out.stride(0),
+                xa.stride(0), bg.stride(0), bu.stride(0),
+                scale_t.stride(0) if quant is not None else 0, ACT=act, QUANT=quant is not None,
+                ROUND_FP32=not gate.is_cuda, **meta)
+        return out
     if use_triton(gate):
         n, cols = gate.shape
         if n and cols:
@@ -270,7 +401,8 @@ def glu_fwd(gate: torch.Tensor, up: torch.Tensor, act: int,
                 scale_t.stride(0) if quant is not None else 0, ACT=act, BLOCK=_BLOCK,
                 QUANT=quant is not None, ROUND_FP32=not gate.is_cuda, num_warps=_NUM_WARPS)
         return out
-    out.copy_(_act_reference(gate.float(), act) * up.float())
+    g, u = _with_lora_reference(gate, up, lora)
+    out.copy_(_act_reference(g, act) * u)
     if quant is not None:
         from .fp8_quant import quantize_rows_reference
 
@@ -279,12 +411,27 @@ def glu_fwd(gate: torch.Tensor, up: torch.Tensor, act: int,
 
 
 def glu_bwd_(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int,
-             h_out: torch.Tensor | None = None) -> None:
+             h_out: torch.Tensor | None = None,
+             lora: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """Backward of glu_fwd IN PLACE: gate <- d gate, up <- d up ([n, I], rows may be strided).
 
     With `h_out` also writes the forward value act(gate) * up there (bit-identical to glu_fwd),
-    so a backward that needs it does not run glu_fwd first; h_out may be dy itself."""
+    so a backward that needs it does not run glu_fwd first; h_out may be dy itself. `lora` as
+    glu_fwd's: gate and up hold the outputs without their LoRA terms, which go in here too (the
+    gradients written are those of the outputs with them, the same for both)."""
     _check_rows(dy, gate, up, *([h_out] if h_out is not None else []))
+    if lora is not None:
+        _check_lora(lora, gate)
+    if use_triton(gate) and lora is not None:
+        if gate.numel():
+            xa, bg, bu = lora
+            h = gate if h_out is None else h_out
+            grid, R, meta = _lora_launch(gate, lora)
+            _glu_lora_bwd_kernel[grid](
+                dy, gate, up, h, xa, bg, bu, gate.shape[0], gate.shape[1], R, dy.stride(0),
+                gate.stride(0), up.stride(0), h.stride(0), xa.stride(0), bg.stride(0),
+                bu.stride(0), ACT=act, WRITE_H=h_out is not None, **meta)
+        return
     if use_triton(gate):
         n, cols = gate.shape
         if n and cols:
@@ -293,12 +440,13 @@ def glu_bwd_(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int,
                 dy, gate, up, h, cols, dy.stride(0), gate.stride(0), up.stride(0), h.stride(0),
                 ACT=act, BLOCK=_BLOCK, WRITE_H=h_out is not None, num_warps=_NUM_WARPS)
         return
+    g0, uf = _with_lora_reference(gate, up, lora)
     with torch.enable_grad():
-        g = gate.detach().float().requires_grad_()
+        g = g0.detach().requires_grad_()
         a = _act_reference(g, act)
         (da,) = torch.autograd.grad(a, g, torch.ones_like(a))
     a = a.detach()
-    dyf, uf = dy.float(), up.float()
+    dyf = dy.float()
     h = (a * uf).to(gate.dtype) if h_out is not None else None
     gate.copy_(dyf * uf * da)
     up.copy_(dyf * a)

@@ -53,6 +53,7 @@ class EngineSettings:
     mlp_forward_chunk_factor: float = 2.0
     link_gbs: float = 50.0
     trim_offload: bool = True
+    fuse_glu_lora: bool = True
 
     def build(self) -> EngineOptions:
         """The checked EngineOptions of these settings (a bad value: one line)."""

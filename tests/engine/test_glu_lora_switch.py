@@ -1,0 +1,98 @@
+"""EngineOptions.fuse_glu_lora: where gate/up's LoRA is not inside their GEMM (an FP8 base;
+unpacked projections), the GLU kernels add its low-rank terms. On and off give the same loss
+and LoRA gradients (fp32, CPU, both kernel backends, every keep level, SwiGLU and GeGLU, Gemma's
+MLP-out norm), the fused layers still equal plain autograd, and on, the GLU kernels get the
+terms while no pass adds them to gate | up; packed 16-bit layers (LoRA inside the GEMM) are
+unchanged."""
+
+import pytest
+import torch
+
+from helpers import BASE, CONFIGS, check, loss_and_grads, model_for, packed_batch
+from leantune import kernels
+from leantune.engine import Engine, EngineOptions, LayerPlan, detach
+from leantune.engine import executor as executor_module
+from leantune.lora.base_weight import quantize_fp8_
+
+PLANS = [LayerPlan(0), LayerPlan(1, offload=True), LayerPlan(2)]
+GEMMA2 = dict(BASE, model_type="gemma2", query_pre_attn_scalar=20, sliding_window=5,
+              attn_logit_softcapping=None, final_logit_softcapping=None,
+              hidden_activation="gelu_pytorch_tanh")
+FAMILIES = {"llama": CONFIGS["llama"], "gelu": CONFIGS["gelu"], "qwen3": CONFIGS["qwen3"],
+            "gemma2": GEMMA2}
+
+
+def _model(family, base):
+    m = model_for(FAMILIES[family])
+    return quantize_fp8_(m) if base == "fp8" else m
+
+
+def _run(model, backend, **options):
+    detach(model)
+    Engine(EngineOptions(**options)).attach(model, PLANS)
+    with kernels.backend(backend):
+        return loss_and_grads(model, packed_batch())
+
+
+def _spy_glu(monkeypatch):
+    """Records, per glu_fwd / glu_bwd_ call, whether it got low-rank terms."""
+    seen = []
+    for name in ("glu_fwd", "glu_bwd_"):
+        orig = getattr(executor_module, name)
+
+        def spy(*a, _orig=orig, lora=None, **k):
+            seen.append(lora is not None)
+            return _orig(*a, lora=lora, **k)
+        monkeypatch.setattr(executor_module, name, spy)
+    return seen
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("base", ["fp8", "unpacked"])
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_on_and_off_agree(family, base, backend, monkeypatch):
+    model = _model(family, base)
+    unpacked = dict(pack_projections=False) if base == "unpacked" else {}
+    seen = _spy_glu(monkeypatch)
+    loss_on, g_on = _run(model, backend, **unpacked)
+    assert seen and all(seen)  # every GLU call took the terms
+    seen.clear()
+    loss_off, g_off = _run(model, backend, fuse_glu_lora=False, **unpacked)
+    assert seen and not any(seen)
+    tol = 1e-5 if backend == "reference" else 2e-5
+    torch.testing.assert_close(loss_on, loss_off, rtol=tol, atol=tol)
+    torch.testing.assert_close(g_on, g_off, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_fused_with_terms_matches_autograd(family):
+    model = _model(family, "fp8")
+    with kernels.backend("reference"):
+        check(model, PLANS, rtol=1e-4, atol=2e-4)
+    check(_model(family, "unpacked"), PLANS, options=EngineOptions(pack_projections=False))
+
+
+def test_no_addition_pass_over_gate_up(monkeypatch):
+    """On, no rank-r product is added to gate | up after their GEMM (addmm_ with a gate or up
+    projection's B); the other groups still add theirs."""
+    model = _model("llama", "fp8")
+    gate_up_b = {m.lora_B.weight.data_ptr() for layer in model.layers
+                 for m in (layer.mlp.gate_proj, layer.mlp.up_proj)}
+    mats = []
+    orig = torch.Tensor.addmm_
+
+    def addmm_(self, mat1, mat2, **k):
+        mats.append(mat2.data_ptr())
+        return orig(self, mat1, mat2, **k)
+    monkeypatch.setattr(torch.Tensor, "addmm_", addmm_)
+    _run(model, "reference")
+    assert mats and not gate_up_b & set(mats)
+    mats.clear()
+    _run(model, "reference", fuse_glu_lora=False)
+    assert gate_up_b & set(mats)
+
+
+def test_packed_16bit_layers_keep_lora_in_the_gemm(monkeypatch):
+    seen = _spy_glu(monkeypatch)
+    _run(_model("llama", "bf16-packed"), "reference")
+    assert seen and not any(seen)

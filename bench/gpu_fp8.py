@@ -464,7 +464,8 @@ def glu_part(args, device) -> list[dict]:
     """(f) gate/up's LoRA terms on an FP8 base (R = 32: r16 on gate and on up) at --tokens rows
     of Llama-3.1-8B's MLP: added by two rank-16 addmm_ passes over gate | up and then the GLU
     (fuse_glu_lora off), or inside the GLU kernels (on); forward (with the fused FP8 codes) and
-    backward (in place, writing h); the fused results against the unfused (max rel err)."""
+    backward (in place, writing h; with the down projection's dx term ga A, r16, a third pass
+    off); the fused results against the unfused (max rel err)."""
     from leantune.kernels.fp8_quant import QuantizedRows
     from leantune.kernels.swiglu import ACTS, glu_bwd_, glu_fwd
 
@@ -477,6 +478,7 @@ def glu_part(args, device) -> list[dict]:
         return torch.empty(*shape, device=device, dtype=dtype).normal_(0, std, generator=g)
 
     gu0, xa, dy0 = rnd(M, 2 * inter), rnd(M, R), rnd(M, inter)
+    ga, a_down = rnd(M, 16), rnd(16, inter, std=0.05)  # down's LoRA: dx += ga A
     b_gate, b_up = rnd(inter, R // 2, std=0.05), rnd(inter, R // 2, std=0.05)
     bg = torch.zeros(inter, R, device=device, dtype=dtype)
     bu = torch.zeros_like(bg)
@@ -496,10 +498,12 @@ def glu_part(args, device) -> list[dict]:
     def unfused_bwd(gu, dy):
         gu[:, :inter].addmm_(xa[:, :R // 2], b_gate.t())
         gu[:, inter:].addmm_(xa[:, R // 2:], b_up.t())
+        dy.addmm_(ga, a_down)
         glu_bwd_(dy, gu[:, :inter], gu[:, inter:], silu, h_out=dy)
 
     def fused_bwd(gu, dy):
-        glu_bwd_(dy, gu[:, :inter], gu[:, inter:], silu, h_out=dy, lora=(xa, bg, bu))
+        glu_bwd_(dy, gu[:, :inter], gu[:, inter:], silu, h_out=dy, lora=(xa, bg, bu),
+                 dy_lora=(ga, a_down))
 
     rows = []
     with kernels.backend("triton"):

@@ -34,14 +34,17 @@ def _run(model, backend, **options):
         return loss_and_grads(model, packed_batch())
 
 
-def _spy_glu(monkeypatch):
-    """Records, per glu_fwd / glu_bwd_ call, whether it got low-rank terms."""
+def _spy_glu(monkeypatch, dy=None):
+    """Records, per glu_fwd / glu_bwd_ call, whether it got gate/up's low-rank terms (and in
+    `dy`, per glu_bwd_ call, whether it got the down projection's dx term)."""
     seen = []
     for name in ("glu_fwd", "glu_bwd_"):
         orig = getattr(executor_module, name)
 
-        def spy(*a, _orig=orig, lora=None, **k):
+        def spy(*a, _orig=orig, _name=name, lora=None, **k):
             seen.append(lora is not None)
+            if _name == "glu_bwd_" and dy is not None:
+                dy.append(k.get("dy_lora") is not None)
             return _orig(*a, lora=lora, **k)
         monkeypatch.setattr(executor_module, name, spy)
     return seen
@@ -53,12 +56,13 @@ def _spy_glu(monkeypatch):
 def test_on_and_off_agree(family, base, backend, monkeypatch):
     model = _model(family, base)
     unpacked = dict(pack_projections=False) if base == "unpacked" else {}
-    seen = _spy_glu(monkeypatch)
+    dy = []
+    seen = _spy_glu(monkeypatch, dy)
     loss_on, g_on = _run(model, backend, **unpacked)
-    assert seen and all(seen)  # every GLU call took the terms
-    seen.clear()
+    assert seen and all(seen) and dy and all(dy)  # every GLU call took the terms
+    seen.clear(), dy.clear()
     loss_off, g_off = _run(model, backend, fuse_glu_lora=False, **unpacked)
-    assert seen and not any(seen)
+    assert seen and not any(seen) and dy and not any(dy)
     tol = 1e-5 if backend == "reference" else 2e-5
     torch.testing.assert_close(loss_on, loss_off, rtol=tol, atol=tol)
     torch.testing.assert_close(g_on, g_off, rtol=tol, atol=tol)
@@ -92,7 +96,16 @@ def test_no_addition_pass_over_gate_up(monkeypatch):
     assert gate_up_b & set(mats)
 
 
-def test_packed_16bit_layers_keep_lora_in_the_gemm(monkeypatch):
-    seen = _spy_glu(monkeypatch)
-    _run(_model("llama", "bf16-packed"), "reference")
-    assert seen and not any(seen)
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_packed_16bit_layers_keep_gate_up_lora_in_the_gemm(backend, monkeypatch):
+    """Packed with LoRA columns, gate/up's terms stay inside their GEMM; the down projection's
+    dx term (dx += ga A, a pass of its own there too) goes into the GLU backward, on and off
+    agreeing."""
+    dy = []
+    seen = _spy_glu(monkeypatch, dy)
+    model = _model("llama", "bf16-packed")
+    loss_on, g_on = _run(model, backend)
+    assert seen and not any(seen) and dy and all(dy)
+    loss_off, g_off = _run(model, backend, fuse_glu_lora=False)
+    torch.testing.assert_close(loss_on, loss_off, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(g_on, g_off, rtol=2e-5, atol=2e-5)

@@ -93,9 +93,39 @@ def test_fused_quantisation_with_lora_writes_quantize_rows_codes(backend, inter)
     assert torch.equal(q.targets[1], scale_t)
 
 
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_gu_terms", [True, False])
+def test_glu_bwd_adds_the_down_projections_dx_term(backend, dtype, with_gu_terms):
+    """dy_lora = (ga, a): the backward reads dy + ga a (the down projection's input gradient
+    with its LoRA term), with or without gate/up's own terms; ga a column view of a wider
+    buffer, as the packed input-gradient GEMM leaves it."""
+    rows, inter, R, RD = 29, 150, 20, 12
+    gu0, lora, dy0 = _inputs(rows, inter, R, dtype, seed=7)
+    g = torch.Generator().manual_seed(8)
+    wide = torch.randn(rows, inter + RD + 5, generator=g).to(dtype)
+    ga = wide[:, inter:inter + RD]
+    a = (torch.randn(RD, inter, generator=g) * 0.2).to(dtype)
+    dy_full = (dy0.float() + ga.float() @ a.float()).to(torch.float32)
+    terms = lora if with_gu_terms else (torch.zeros(rows, 1, dtype=dtype),
+                                        torch.zeros(inter, 1, dtype=dtype),
+                                        torch.zeros(inter, 1, dtype=dtype))
+    h_ref, dg_ref, du_ref = _expected(gu0, terms, dy_full, ACTS["silu"], inter)
+    rtol, atol = TOL[dtype]
+    with kernels.backend(backend):
+        gu, dy = gu0.clone(), dy0.clone()
+        glu_bwd_(dy, gu[:, :inter], gu[:, inter:], ACTS["silu"], h_out=dy,
+                 lora=lora if with_gu_terms else None, dy_lora=(ga, a))
+    torch.testing.assert_close(gu[:, :inter].float(), dg_ref, rtol=rtol, atol=atol)
+    torch.testing.assert_close(gu[:, inter:].float(), du_ref, rtol=rtol, atol=atol)
+    torch.testing.assert_close(dy.float(), h_ref, rtol=rtol, atol=atol)
+
+
 def test_bad_lora_shapes_are_one_clear_error():
     gu, (xa, bg, bu), _ = _inputs(5, 8, 4, torch.float32)
     with pytest.raises(ValueError, match="lora: expected xa"):
         glu_fwd(gu[:, :8], gu[:, 8:], 0, lora=(xa, bg[:4], bu))
     with pytest.raises(ValueError, match="lora: expected xa"):
         glu_bwd_(gu[:, 8:].clone(), gu[:, :8], gu[:, 8:], 0, lora=(xa.t(), bg, bu))
+    with pytest.raises(ValueError, match="dy_lora: expected ga"):
+        glu_bwd_(gu[:, 8:].clone(), gu[:, :8], gu[:, 8:], 0, dy_lora=(xa, bg))

@@ -611,9 +611,12 @@ class _LayerRun:
             ddown = dout[rows]  # the down projection's output gradient
             if self.layer.norm("mlp_out") is not None:  # through the MLP-out norm
                 ddown = self._through_out_norm("mlp_out", self._down_out(gu, lora), ddown)
-            da, ga = self.down.input_grad(ddown)
+            # (with fuse_glu_lora, da without its LoRA term ga A: the GLU kernel adds it)
+            fuse_ga = self.ex.options.fuse_glu_lora and self.down.a is not None
+            da, ga = self.down.input_grad(ddown, add_ga=not fuse_ga)
             # gate, up <- d gate, d up in place; da <- act(gate) * up, the down projection's input
-            glu_bwd_(da, gu[:, :inter], gu[:, inter:], self.act, h_out=da, lora=lora)
+            glu_bwd_(da, gu[:, :inter], gu[:, inter:], self.act, h_out=da, lora=lora,
+                     dy_lora=(ga, self.down.a) if fuse_ga else None)
             self.down.lora_grads(da, ddown, ga, grads,
                                  None if xa_down is None else xa_down[rows])
             del ddown

@@ -170,10 +170,12 @@ class ProjectionGroup:
         input_grad), else in."""
         return self.width if self.has_lora_cols else self.in_f
 
-    def input_grad(self, dys, out: torch.Tensor | None = None, need_dx: bool = True):
+    def input_grad(self, dys, out: torch.Tensor | None = None, need_dx: bool = True,
+                   add_ga: bool = True):
         """dys: [n, sum out] or per-projection list -> (dx [n, in] = sum_i dy_i W_i + ga A_cat
         (into `out`, [n, grad_width()] for one tensor dys; None without need_dx), ga [n, R] =
-        s dy_i B_i side by side, or None).
+        s dy_i B_i side by side, or None). add_ga=False: dx without ga A_cat, which the caller
+        adds where it reads dx (glu_bwd_'s dy_lora).
 
         Packed with LoRA columns, dy @ [W | s B] = [dy W | s dy B] is dx and ga from one GEMM
         (K = sum out): ga needs no pass of its own over dy. dx and ga are then column views
@@ -181,7 +183,8 @@ class ProjectionGroup:
         if need_dx and self.has_lora_cols and not isinstance(dys, (list, tuple)):
             wide = torch.mm(dys, self.source.get(), out=out)
             dx, ga = wide[:, :self.in_f], wide[:, self.in_f:self.in_f + self.R]
-            dx.addmm_(ga, self.a)
+            if add_ga:
+                dx.addmm_(ga, self.a)
             return dx, ga
         parts = self.split(dys)
         ga = None
@@ -203,7 +206,7 @@ class ProjectionGroup:
                 dx = self.source.mm_t(0, parts[0], out=out)
                 for i, dy in enumerate(parts[1:], 1):
                     self.source.mm_t(i, dy, out=dx, accumulate=True)
-            if ga is not None:
+            if ga is not None and add_ga:
                 dx.addmm_(ga, self.a)
         return dx, ga
 

@@ -194,18 +194,39 @@ if triton is not None:
             tl.store(ST + tl.program_id(1) * stride_s + rm, sc, mask=rm < rows)
 
     @triton.jit
-    def _glu_lora_bwd_kernel(DY, G, U, H, XA, BG, BU, rows, cols, R, stride_dy, stride_g,
-                             stride_u, stride_h, stride_xa, stride_bg, stride_bu,
-                             ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_R: tl.constexpr, IEEE: tl.constexpr, WRITE_H: tl.constexpr):
-        """G <- d g', U <- d u' in place (the gradients of the gate / up outputs, LoRA term
-        included), H <- act(g') * u' with WRITE_H (H may alias DY: the tile is read first)."""
+    def _glu_lora_bwd_kernel(DY, G, U, H, XA, BG, BU, GA, AD, rows, cols, R, RD, stride_dy,
+                             stride_g, stride_u, stride_h, stride_xa, stride_bg, stride_bu,
+                             stride_ga, stride_ad, ACT: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                             BLOCK_RD: tl.constexpr, IEEE: tl.constexpr, WRITE_H: tl.constexpr,
+                             GU_TERMS: tl.constexpr, DY_TERM: tl.constexpr):
+        """G <- d g', U <- d u' in place (the gradients of the gate / up outputs, with
+        GU_TERMS their LoRA terms included in g', u'), H <- act(g') * u' with WRITE_H (H may
+        alias DY: the tile is read first). DY_TERM: dy' = dy + GA AD, the down projection's
+        input gradient with its LoRA term (GA [rows, RD], AD [RD, cols])."""
         rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        g, u, mask = _lora_tile(G, U, XA, BG, BU, rm, rn, rows, cols, R, stride_g, stride_u,
-                                stride_xa, stride_bg, stride_bu, BLOCK_R, IEEE)
+        if GU_TERMS:
+            g, u, mask = _lora_tile(G, U, XA, BG, BU, rm, rn, rows, cols, R, stride_g,
+                                    stride_u, stride_xa, stride_bg, stride_bu, BLOCK_R, IEEE)
+        else:
+            mask = (rm < rows)[:, None] & (rn < cols)[None, :]
+            g = tl.load(G + rm[:, None] * stride_g + rn[None, :], mask=mask,
+                        other=0.0).to(tl.float32)
+            u = tl.load(U + rm[:, None] * stride_u + rn[None, :], mask=mask,
+                        other=0.0).to(tl.float32)
         dy = tl.load(DY + rm[:, None] * stride_dy + rn[None, :], mask=mask,
                      other=0.0).to(tl.float32)
+        if DY_TERM:
+            rr = tl.arange(0, BLOCK_RD)
+            ga = tl.load(GA + rm[:, None] * stride_ga + rr[None, :],
+                         mask=(rm < rows)[:, None] & (rr < RD)[None, :], other=0.0)
+            ad = tl.load(AD + rr[:, None] * stride_ad + rn[None, :],
+                         mask=(rr < RD)[:, None] & (rn < cols)[None, :], other=0.0)
+            if IEEE:
+                dy += tl.dot(ga.to(tl.float32), ad.to(tl.float32), input_precision="ieee")
+            else:
+                dy += tl.dot(ga.to(tl.float32), ad.to(tl.float32), input_precision="tf32")
         a, da = _act_and_grad(g, ACT)
         tl.store(G + rm[:, None] * stride_g + rn[None, :], (dy * u * da).to(G.dtype.element_ty),
                  mask=mask)
@@ -219,16 +240,15 @@ if triton is not None:
 _LORA_BLOCK_M, _LORA_BLOCK_N = 32, 128  # (BLOCK_N: one 1 x 128 quantisation block a tile row)
 
 
-def _lora_launch(gate, lora):
-    """Grid and shared arguments of the low-rank kernels for gate [n, I], lora (xa, bg, bu)."""
-    xa, bg, bu = lora
+def _lora_launch(gate, R):
+    """Grid and shared arguments of the low-rank kernels for gate [n, I] and R low-rank
+    columns."""
     n, cols = gate.shape
-    R = xa.shape[1]
     grid = (triton.cdiv(n, _LORA_BLOCK_M), triton.cdiv(cols, _LORA_BLOCK_N))
     meta = dict(BLOCK_M=_LORA_BLOCK_M, BLOCK_N=_LORA_BLOCK_N,
-                BLOCK_R=max(16, triton.next_power_of_2(R)), IEEE=xa.dtype == torch.float32,
-                num_warps=4)
-    return grid, R, meta
+                BLOCK_R=max(16, triton.next_power_of_2(R)),
+                IEEE=gate.dtype == torch.float32, num_warps=4)
+    return grid, meta
 
 
 def _check_lora(lora, gate) -> None:
@@ -382,7 +402,8 @@ def glu_fwd(gate: torch.Tensor, up: torch.Tensor, act: int,
         if gate.numel():
             xa, bg, bu = lora
             codes, scale_t = quant if quant is not None else (out, out)
-            grid, R, meta = _lora_launch(gate, lora)
+            R = xa.shape[1]
+            grid, meta = _lora_launch(gate, R)
             _glu_lora_fwd_kernel[grid](
                 gate, up, out, xa, bg, bu,
                 codes.view(torch.uint8) if quant is not None else codes, scale_t,
@@ -412,25 +433,39 @@ def glu_fwd(gate: torch.Tensor, up: torch.Tensor, act: int,
 
 def glu_bwd_(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int,
              h_out: torch.Tensor | None = None,
-             lora: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+             lora: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+             dy_lora: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Backward of glu_fwd IN PLACE: gate <- d gate, up <- d up ([n, I], rows may be strided).
 
     With `h_out` also writes the forward value act(gate) * up there (bit-identical to glu_fwd),
     so a backward that needs it does not run glu_fwd first; h_out may be dy itself. `lora` as
     glu_fwd's: gate and up hold the outputs without their LoRA terms, which go in here too (the
-    gradients written are those of the outputs with them, the same for both)."""
+    gradients written are those of the outputs with them, the same for both). `dy_lora`:
+    (ga [n, Rd], a [Rd, I]): dy + ga a is the output's gradient (the down projection's input
+    gradient, whose LoRA term ga A is added here instead of in a pass of its own)."""
     _check_rows(dy, gate, up, *([h_out] if h_out is not None else []))
     if lora is not None:
         _check_lora(lora, gate)
-    if use_triton(gate) and lora is not None:
+    if dy_lora is not None:
+        ga, a = dy_lora
+        if (ga.shape[0] != dy.shape[0] or a.shape != (ga.shape[1], dy.shape[1])
+                or ga.stride(1) != 1 or a.stride(1) != 1):
+            raise ValueError(f"dy_lora: expected ga [{dy.shape[0]}, Rd], a [Rd, {dy.shape[1]}] "
+                             f"with contiguous columns, got {tuple(ga.shape)}, {tuple(a.shape)}")
+    if use_triton(gate) and (lora is not None or dy_lora is not None):
         if gate.numel():
-            xa, bg, bu = lora
+            xa, bg, bu = lora if lora is not None else (gate, gate, gate)
+            ga, a = dy_lora if dy_lora is not None else (gate, gate)
+            R = xa.shape[1] if lora is not None else 0
+            RD = ga.shape[1] if dy_lora is not None else 0
             h = gate if h_out is None else h_out
-            grid, R, meta = _lora_launch(gate, lora)
+            grid, meta = _lora_launch(gate, R)
             _glu_lora_bwd_kernel[grid](
-                dy, gate, up, h, xa, bg, bu, gate.shape[0], gate.shape[1], R, dy.stride(0),
-                gate.stride(0), up.stride(0), h.stride(0), xa.stride(0), bg.stride(0),
-                bu.stride(0), ACT=act, WRITE_H=h_out is not None, **meta)
+                dy, gate, up, h, xa, bg, bu, ga, a, gate.shape[0], gate.shape[1], R, RD,
+                dy.stride(0), gate.stride(0), up.stride(0), h.stride(0), xa.stride(0),
+                bg.stride(0), bu.stride(0), ga.stride(0), a.stride(0), ACT=act,
+                BLOCK_RD=max(16, triton.next_power_of_2(RD)), WRITE_H=h_out is not None,
+                GU_TERMS=lora is not None, DY_TERM=dy_lora is not None, **meta)
         return
     if use_triton(gate):
         n, cols = gate.shape
@@ -447,6 +482,8 @@ def glu_bwd_(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int,
         (da,) = torch.autograd.grad(a, g, torch.ones_like(a))
     a = a.detach()
     dyf = dy.float()
+    if dy_lora is not None:
+        dyf = dyf + dy_lora[0].float() @ dy_lora[1].float()
     h = (a * uf).to(gate.dtype) if h_out is not None else None
     gate.copy_(dyf * uf * da)
     up.copy_(dyf * a)

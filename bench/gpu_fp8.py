@@ -530,6 +530,26 @@ def glu_part(args, device) -> list[dict]:
                        + row["bwd_unfused_ms"] - row["bwd_fused_ms"])
     record("fp8_glu_lora", **row)
     rows.append(row)
+    # the tile sweep (kernels/swiglu.LORA_TILES: BLOCK_M, BLOCK_N, num_warps)
+    import importlib
+
+    swiglu = importlib.import_module("leantune.kernels.swiglu")
+    default = dict(swiglu.LORA_TILES)
+    sweep = {}
+    with kernels.backend("triton"):
+        for tile in args.glu_tiles:
+            bm, bn, warps = (int(v) for v in tile.split("x"))
+            swiglu.LORA_TILES = {"fwd": (bm, bn, warps), "bwd": (bm, bn, warps)}
+            sweep[tile] = dict(
+                fwd_ms=time_ms(lambda: fused_fwd(gu0), device),
+                bwd_ms=time_ms(lambda: fused_bwd(gu0.clone(), dy0.clone()), device)
+                - time_ms(lambda: (gu0.clone(), dy0.clone()), device))
+    swiglu.LORA_TILES = default
+    if sweep:
+        record("fp8_glu_lora_tiles", M=M, I=inter, default=default, tiles=sweep)
+        for tile, r in sweep.items():
+            print(f"glu tile {tile:<10} fwd {r['fwd_ms']:.3f} ms  bwd {r['bwd_ms']:.3f} ms",
+                  flush=True)
     return rows
 
 
@@ -607,6 +627,9 @@ def main():
                     choices=["gemm", "step", "loss", "decode", "quant", "glu"])
     ap.add_argument("--fused-quant", nargs="+", default=["on"], choices=["on", "off"],
                     help="step: run each fp8 policy with LEANTUNE_FP8_FUSED_QUANT on / off")
+    ap.add_argument("--glu-tiles", nargs="*", default=[],
+                    help="glu: also time the low-rank GLU kernels at these tiles, "
+                         "BLOCK_MxBLOCK_Nxnum_warps (e.g. 32x128x4 64x256x8)")
     ap.add_argument("--trim", nargs="+", default=["on"], choices=["on", "off"],
                     help="step: run each policy with LEANTUNE_TRIM_OFFLOAD on / off (offloaded "
                          "layers without q/k/v where the host link bounds the forward)")

@@ -121,6 +121,31 @@ def test_glu_bwd_adds_the_down_projections_dx_term(backend, dtype, with_gu_terms
     torch.testing.assert_close(dy.float(), h_ref, rtol=rtol, atol=atol)
 
 
+@pytest.mark.parametrize("tile", [(16, 256, 4), (64, 128, 8)])
+def test_other_tiles_give_the_same_results(tile, monkeypatch):
+    """The tiles the bench sweeps (BLOCK_N of two quantisation blocks, more rows) compute the
+    same values and codes as the default's."""
+    import importlib
+
+    swiglu = importlib.import_module("leantune.kernels.swiglu")  # (the package's swiglu: a fn)
+    gu0, lora, dy0 = _inputs(37, 300, 20, torch.float32, seed=9)
+    res = {}
+    for name, tiles in (("default", dict(swiglu.LORA_TILES)),
+                        ("other", {"fwd": tile, "bwd": tile})):
+        monkeypatch.setattr(swiglu, "LORA_TILES", tiles)
+        with kernels.backend("triton"):
+            out = torch.empty(37, 300)
+            q = QuantizedRows.empty(out)
+            h = glu_fwd(gu0[:, :300], gu0[:, 300:], ACTS["silu"], out=out, quant=q.targets,
+                        lora=lora)
+            gu, dy = gu0.clone(), dy0.clone()
+            glu_bwd_(dy, gu[:, :300], gu[:, 300:], ACTS["silu"], h_out=dy, lora=lora)
+        res[name] = (h.clone(), q.targets[0].view(torch.uint8).clone(), q.targets[1].clone(),
+                     gu, dy)
+    for a, b in zip(res["default"], res["other"]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
 def test_bad_lora_shapes_are_one_clear_error():
     gu, (xa, bg, bu), _ = _inputs(5, 8, 4, torch.float32)
     with pytest.raises(ValueError, match="lora: expected xa"):

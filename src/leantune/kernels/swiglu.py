@@ -179,7 +179,7 @@ if triton is not None:
                              BLOCK_R: tl.constexpr, IEEE: tl.constexpr, QUANT: tl.constexpr,
                              ROUND_FP32: tl.constexpr):
         """out = act(g') * u' over one [BLOCK_M, BLOCK_N] tile, g' / u' with the low-rank
-        terms (_lora_tile). QUANT (BLOCK_N = 128): the tile's rows are 1 x 128 blocks, their
+        terms (_lora_tile). QUANT (BLOCK_N a multiple of 128): the tile's 1 x 128 blocks, their
         codes into Q [rows, cols] and scales into ST [cols / 128, rows], as _glu_fwd_rows'."""
         rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -189,9 +189,14 @@ if triton is not None:
         h = (a * u).to(OUT.dtype.element_ty)
         tl.store(OUT + rm[:, None] * stride_o + rn[None, :], h, mask=mask)
         if QUANT:
-            q, sc = quantize_block(h.to(tl.float32), 1, ROUND_FP32)
-            tl.store(Q + rm[:, None] * cols + rn[None, :], q, mask=mask)
-            tl.store(ST + tl.program_id(1) * stride_s + rm, sc, mask=rm < rows)
+            NB: tl.constexpr = BLOCK_N // 128
+            q, sc = quantize_block(tl.reshape(h.to(tl.float32), (BLOCK_M, NB, 128)), 2,
+                                   ROUND_FP32)
+            tl.store(Q + rm[:, None] * cols + rn[None, :], tl.reshape(q, (BLOCK_M, BLOCK_N)),
+                     mask=mask)
+            kb = tl.program_id(1) * NB + tl.arange(0, NB)
+            tl.store(ST + kb[None, :] * stride_s + rm[:, None], sc,
+                     mask=(rm < rows)[:, None] & (kb * 128 < cols)[None, :])
 
     @triton.jit
     def _glu_lora_bwd_kernel(DY, G, U, H, XA, BG, BU, GA, AD, rows, cols, R, RD, stride_dy,
@@ -237,17 +242,19 @@ if triton is not None:
                      mask=mask)
 
 
-_LORA_BLOCK_M, _LORA_BLOCK_N = 32, 128  # (BLOCK_N: one 1 x 128 quantisation block a tile row)
+# The low-rank kernels' tiles: (BLOCK_M, BLOCK_N: a multiple of 128, the quantisation block;
+# num_warps) of the forward and of the backward (bench/gpu_fp8.py --parts glu sweeps them)
+LORA_TILES = {"fwd": (32, 128, 4), "bwd": (32, 128, 4)}
 
 
-def _lora_launch(gate, R):
-    """Grid and shared arguments of the low-rank kernels for gate [n, I] and R low-rank
-    columns."""
+def _lora_launch(gate, R, which: str):
+    """Grid and shared arguments of the low-rank kernel `which` ("fwd", "bwd") for gate [n, I]
+    and R low-rank columns."""
     n, cols = gate.shape
-    grid = (triton.cdiv(n, _LORA_BLOCK_M), triton.cdiv(cols, _LORA_BLOCK_N))
-    meta = dict(BLOCK_M=_LORA_BLOCK_M, BLOCK_N=_LORA_BLOCK_N,
-                BLOCK_R=max(16, triton.next_power_of_2(R)),
-                IEEE=gate.dtype == torch.float32, num_warps=4)
+    bm, bn, warps = LORA_TILES[which]
+    grid = (triton.cdiv(n, bm), triton.cdiv(cols, bn))
+    meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=max(16, triton.next_power_of_2(R)),
+                IEEE=gate.dtype == torch.float32, num_warps=warps)
     return grid, meta
 
 
@@ -403,7 +410,7 @@ def glu_fwd(gate: torch.Tensor, up: torch.Tensor, act: int,
             xa, bg, bu = lora
             codes, scale_t = quant if quant is not None else (out, out)
             R = xa.shape[1]
-            grid, meta = _lora_launch(gate, R)
+            grid, meta = _lora_launch(gate, R, "fwd")
             _glu_lora_fwd_kernel[grid](
                 gate, up, out, xa, bg, bu,
                 codes.view(torch.uint8) if quant is not None else codes, scale_t,
@@ -459,7 +466,7 @@ def glu_bwd_(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int,
             R = xa.shape[1] if lora is not None else 0
             RD = ga.shape[1] if dy_lora is not None else 0
             h = gate if h_out is None else h_out
-            grid, meta = _lora_launch(gate, R)
+            grid, meta = _lora_launch(gate, R, "bwd")
             _glu_lora_bwd_kernel[grid](
                 dy, gate, up, h, xa, bg, bu, ga, a, gate.shape[0], gate.shape[1], R, RD,
                 dy.stride(0), gate.stride(0), up.stride(0), h.stride(0), xa.stride(0),

@@ -537,14 +537,15 @@ def glu_part(args, device) -> list[dict]:
     default = dict(swiglu.LORA_TILES)
     sweep = {}
     with kernels.backend("triton"):
-        for tile in args.glu_tiles:
-            bm, bn, warps = (int(v) for v in tile.split("x"))
+        for tile in args.glu_tiles:  # (a trailing "t": tl.dot in TF32 over fp32 casts)
+            bm, bn, warps = (int(v) for v in tile.rstrip("t").split("x"))
             swiglu.LORA_TILES = {"fwd": (bm, bn, warps), "bwd": (bm, bn, warps)}
+            swiglu.DOT16 = not tile.endswith("t")
             sweep[tile] = dict(
                 fwd_ms=time_ms(lambda: fused_fwd(gu0), device),
                 bwd_ms=time_ms(lambda: fused_bwd(gu0.clone(), dy0.clone()), device)
                 - time_ms(lambda: (gu0.clone(), dy0.clone()), device))
-    swiglu.LORA_TILES = default
+    swiglu.LORA_TILES, swiglu.DOT16 = default, True
     if sweep:
         record("fp8_glu_lora_tiles", M=M, I=inter, default=default, tiles=sweep)
         for tile, r in sweep.items():
@@ -629,7 +630,8 @@ def main():
                     help="step: run each fp8 policy with LEANTUNE_FP8_FUSED_QUANT on / off")
     ap.add_argument("--glu-tiles", nargs="*", default=[],
                     help="glu: also time the low-rank GLU kernels at these tiles, "
-                         "BLOCK_MxBLOCK_Nxnum_warps (e.g. 32x128x4 64x256x8)")
+                         "BLOCK_MxBLOCK_Nxnum_warps (e.g. 32x128x4 64x256x8; a trailing t: "
+                         "tl.dot in TF32 over fp32 casts instead of 16-bit operands)")
     ap.add_argument("--trim", nargs="+", default=["on"], choices=["on", "off"],
                     help="step: run each policy with LEANTUNE_TRIM_OFFLOAD on / off (offloaded "
                          "layers without q/k/v where the host link bounds the forward)")

@@ -147,7 +147,8 @@ if triton is not None:
 
     @triton.jit
     def _lora_tile(G, U, XA, BG, BU, rm, rn, rows, cols, R, stride_g, stride_u, stride_xa,
-                   stride_bg, stride_bu, BLOCK_R: tl.constexpr, IEEE: tl.constexpr):
+                   stride_bg, stride_bu, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
+                   DOT16: tl.constexpr):
         """gate and up of the [rows rm, cols rn] tile with their low-rank terms, fp32:
         g + xa Bg^T, u + xa Bu^T (xa [rows, R], Bg / Bu [cols, R])."""
         rr = tl.arange(0, BLOCK_R)
@@ -161,13 +162,17 @@ if triton is not None:
                      other=0.0)
         g = tl.load(G + rm[:, None] * stride_g + rn[None, :], mask=mask, other=0.0).to(tl.float32)
         u = tl.load(U + rm[:, None] * stride_u + rn[None, :], mask=mask, other=0.0).to(tl.float32)
-        # in fp32: 16-bit values are exact in TF32, whose products the tensor cores sum in fp32;
-        # fp32 inputs (IEEE) are multiplied without rounding to TF32
-        xa, bg, bu = xa.to(tl.float32), bg.to(tl.float32), bu.to(tl.float32)
+        # products summed in fp32: 16-bit operands as they are on the GPU (DOT16), else in fp32
+        # (16-bit values are exact in TF32; fp32 inputs, IEEE, are not rounded to TF32; the
+        # interpreter multiplies 16-bit operands wrongly)
         if IEEE:
             g += tl.dot(xa, bg, input_precision="ieee")
             u += tl.dot(xa, bu, input_precision="ieee")
+        elif DOT16:
+            g += tl.dot(xa, bg)
+            u += tl.dot(xa, bu)
         else:
+            xa, bg, bu = xa.to(tl.float32), bg.to(tl.float32), bu.to(tl.float32)
             g += tl.dot(xa, bg, input_precision="tf32")
             u += tl.dot(xa, bu, input_precision="tf32")
         return g, u, mask
@@ -176,15 +181,15 @@ if triton is not None:
     def _glu_lora_fwd_kernel(G, U, OUT, XA, BG, BU, Q, ST, rows, cols, R, stride_g, stride_u,
                              stride_o, stride_xa, stride_bg, stride_bu, stride_s,
                              ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_R: tl.constexpr, IEEE: tl.constexpr, QUANT: tl.constexpr,
-                             ROUND_FP32: tl.constexpr):
+                             BLOCK_R: tl.constexpr, IEEE: tl.constexpr, DOT16: tl.constexpr,
+                             QUANT: tl.constexpr, ROUND_FP32: tl.constexpr):
         """out = act(g') * u' over one [BLOCK_M, BLOCK_N] tile, g' / u' with the low-rank
         terms (_lora_tile). QUANT (BLOCK_N a multiple of 128): the tile's 1 x 128 blocks, their
         codes into Q [rows, cols] and scales into ST [cols / 128, rows], as _glu_fwd_rows'."""
         rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         g, u, mask = _lora_tile(G, U, XA, BG, BU, rm, rn, rows, cols, R, stride_g, stride_u,
-                                stride_xa, stride_bg, stride_bu, BLOCK_R, IEEE)
+                                stride_xa, stride_bg, stride_bu, BLOCK_R, IEEE, DOT16)
         a, _ = _act_and_grad(g, ACT)
         h = (a * u).to(OUT.dtype.element_ty)
         tl.store(OUT + rm[:, None] * stride_o + rn[None, :], h, mask=mask)
@@ -203,8 +208,9 @@ if triton is not None:
                              stride_g, stride_u, stride_h, stride_xa, stride_bg, stride_bu,
                              stride_ga, stride_ad, ACT: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                             BLOCK_RD: tl.constexpr, IEEE: tl.constexpr, WRITE_H: tl.constexpr,
-                             GU_TERMS: tl.constexpr, DY_TERM: tl.constexpr):
+                             BLOCK_RD: tl.constexpr, IEEE: tl.constexpr, DOT16: tl.constexpr,
+                             WRITE_H: tl.constexpr, GU_TERMS: tl.constexpr,
+                             DY_TERM: tl.constexpr):
         """G <- d g', U <- d u' in place (the gradients of the gate / up outputs, with
         GU_TERMS their LoRA terms included in g', u'), H <- act(g') * u' with WRITE_H (H may
         alias DY: the tile is read first). DY_TERM: dy' = dy + GA AD, the down projection's
@@ -213,7 +219,7 @@ if triton is not None:
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         if GU_TERMS:
             g, u, mask = _lora_tile(G, U, XA, BG, BU, rm, rn, rows, cols, R, stride_g,
-                                    stride_u, stride_xa, stride_bg, stride_bu, BLOCK_R, IEEE)
+                                    stride_u, stride_xa, stride_bg, stride_bu, BLOCK_R, IEEE, DOT16)
         else:
             mask = (rm < rows)[:, None] & (rn < cols)[None, :]
             g = tl.load(G + rm[:, None] * stride_g + rn[None, :], mask=mask,
@@ -229,7 +235,9 @@ if triton is not None:
             ad = tl.load(AD + rr[:, None] * stride_ad + rn[None, :],
                          mask=(rr < RD)[:, None] & (rn < cols)[None, :], other=0.0)
             if IEEE:
-                dy += tl.dot(ga.to(tl.float32), ad.to(tl.float32), input_precision="ieee")
+                dy += tl.dot(ga, ad, input_precision="ieee")
+            elif DOT16:
+                dy += tl.dot(ga, ad)
             else:
                 dy += tl.dot(ga.to(tl.float32), ad.to(tl.float32), input_precision="tf32")
         a, da = _act_and_grad(g, ACT)
@@ -242,9 +250,11 @@ if triton is not None:
                      mask=mask)
 
 
+# 16-bit tl.dot operands on the GPU (False: cast to fp32 first, TF32; the bench compares)
+DOT16 = True
 # The low-rank kernels' tiles: (BLOCK_M, BLOCK_N: a multiple of 128, the quantisation block;
 # num_warps) of the forward and of the backward (bench/gpu_fp8.py --parts glu sweeps them)
-LORA_TILES = {"fwd": (32, 128, 4), "bwd": (32, 128, 4)}
+LORA_TILES = {"fwd": (64, 128, 8), "bwd": (32, 128, 4)}
 
 
 def _lora_launch(gate, R, which: str):
@@ -254,7 +264,8 @@ def _lora_launch(gate, R, which: str):
     bm, bn, warps = LORA_TILES[which]
     grid = (triton.cdiv(n, bm), triton.cdiv(cols, bn))
     meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=max(16, triton.next_power_of_2(R)),
-                IEEE=gate.dtype == torch.float32, num_warps=warps)
+                IEEE=gate.dtype == torch.float32, DOT16=gate.is_cuda and DOT16,
+                num_warps=warps)
     return grid, meta
 
 

@@ -264,22 +264,26 @@ def step_part(args, device) -> list[dict]:
     cfg_model = None
     batch = None
     rows = []
-    runs = ([("bf16", p, None, t) for p in args.bf16 for t in args.trim]
-            + [("fp8", p, fq, t) for p in args.fp8 for fq in args.fused_quant for t in args.trim])
+    runs = ([("bf16", p, None, t, args.glu_lora[0]) for p in args.bf16 for t in args.trim]
+            + [("fp8", p, fq, t, gl) for p in args.fp8 for fq in args.fused_quant
+               for t in args.trim for gl in args.glu_lora])
     switches = {k: os.environ.get(k) for k in ("LEANTUNE_FP8_FUSED_QUANT",
-                                                "LEANTUNE_TRIM_OFFLOAD")}
-    for precision, policy, fused_quant, trim in runs:
+                                                "LEANTUNE_TRIM_OFFLOAD",
+                                                "LEANTUNE_FUSE_GLU_LORA")}
+    for precision, policy, fused_quant, trim, glu_lora in runs:
         if fused_quant is not None:  # (read at each GEMM: kernels/fp8_gemm.fused_quant)
             os.environ["LEANTUNE_FP8_FUSED_QUANT"] = "1" if fused_quant == "on" else "0"
-        # (read by the Trainer's engine options: the planner's trim_for_link)
+        # (read by the Trainer's engine options: the planner's trim_for_link, the GLU kernels'
+        # LoRA terms)
         os.environ["LEANTUNE_TRIM_OFFLOAD"] = "1" if trim == "on" else "0"
+        os.environ["LEANTUNE_FUSE_GLU_LORA"] = "1" if glu_lora == "on" else "0"
         model = leantune_model(shape, device,
                                torch.bfloat16 if device.type == "cuda" else torch.float32)
         cfg_model = model.config
         batch = batch or random_batch(cfg_model.vocab_size, args.rows, args.seq)
         tokens = batch.input_ids.numel()
         row = dict(shape=shape, precision=precision, policy=policy, gemm=gemm_name(
-            precision, device), fused_quant=fused_quant, trim=trim)
+            precision, device), fused_quant=fused_quant, trim=trim, glu_lora=glu_lora)
         try:
             trainer, step = trainer_step(model, batch, policy, precision, args.steps, device)
             reset_peak(device)
@@ -603,11 +607,12 @@ def print_table(gemms: list[dict], steps: list[dict], losses: list[dict] = (),
               f"{r['bwd_fused_ms']:.3f} ms, saved {r['saved_ms']:.3f} ms a layer; rel err fwd "
               f"{r['fwd_rel_err']:.1e} bwd {r['bwd_rel_err']:.1e}")
     if steps:
-        print("\nstep  shape         precision  gemm      policy     fused-q  trim  tok/s     "
-              "peak GiB   plan")
+        print("\nstep  shape         precision  gemm      policy     fused-q  trim  glu-lora  "
+              "tok/s     peak GiB   plan")
         for r in steps:
             head = (f"      {r['shape']:<13} {r['precision']:<10} {r['gemm']:<9} "
-                    f"{r['policy']:<10} {r.get('fused_quant') or '-':<7}  {r.get('trim', '-'):<4} ")
+                    f"{r['policy']:<10} {r.get('fused_quant') or '-':<7}  {r.get('trim', '-'):<4}  "
+                    f"{r.get('glu_lora', '-'):<8} ")
             print(head + (f"error: {r['error'][:80]}" if "error" in r else
                           f"{r['tok_s']:>8.0f}  {_f(r['peak_gib'], '{:.2f}'):>9}   "
                           f"{r['plan'][:100]}"))
@@ -628,6 +633,9 @@ def main():
                     choices=["gemm", "step", "loss", "decode", "quant", "glu"])
     ap.add_argument("--fused-quant", nargs="+", default=["on"], choices=["on", "off"],
                     help="step: run each fp8 policy with LEANTUNE_FP8_FUSED_QUANT on / off")
+    ap.add_argument("--glu-lora", nargs="+", default=["on"], choices=["on", "off"],
+                    help="step: run each fp8 policy with LEANTUNE_FUSE_GLU_LORA on / off (gate/up's "
+                         "LoRA terms in the GLU kernels); repeat values to interleave runs")
     ap.add_argument("--glu-tiles", nargs="*", default=[],
                     help="glu: also time the low-rank GLU kernels at these tiles, "
                          "BLOCK_MxBLOCK_Nxnum_warps (e.g. 32x128x4 64x256x8; a trailing t: "

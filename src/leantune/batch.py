@@ -53,6 +53,11 @@ class PackedBatch:
         cu_seqlens_k: [segments + 1] int32 cumulative key segment lengths over the Nk gathered
             rows (segment s of the keys goes with query segment s); max_seqlen_k its longest
             (host int); seq_lens_k the host copy of its lengths.
+
+    token_weights: [B, T] fp32, how much each token counts in the MoE load-balancing statistics
+        (model/moe.py router_stats): the preference batches' (data/preference.py) count
+        padding 0 and a shared prompt twice, so the loss is the two-document layout's and
+        transformers' with its attention mask. None (SFT): every token once, padding too.
     """
 
     input_ids: torch.Tensor
@@ -70,6 +75,7 @@ class PackedBatch:
     cu_seqlens_k: torch.Tensor | None = None
     max_seqlen_k: int = 0
     seq_lens_k: list[int] = field(default_factory=list)
+    token_weights: torch.Tensor | None = None
 
     def __post_init__(self):
         labels = self.labels

@@ -447,6 +447,7 @@ def _pack_documents(docs: list[tuple[list[int], list[int]]], max_seq_len: int, p
     order = [d for row in rows for d in row]  # `tokens` is in packing order: put it in doc order
     completion_tokens = torch.empty_like(tokens)
     completion_tokens[torch.tensor(order, dtype=torch.long)] = tokens
+    batch.token_weights = (doc_index >= 0).float()  # (MoE statistics: padding excluded)
     return batch, doc_index, completion_tokens
 
 
@@ -509,6 +510,8 @@ def _pack_shared(pairs: Sequence[PreferencePair], max_seq_len: int, pad_id: int,
     labels = torch.full((B, T), IGNORE_INDEX, dtype=torch.long)
     position_ids = torch.zeros((B, T), dtype=torch.long)
     doc_index = torch.full((B, T), -1, dtype=torch.long)
+    # MoE statistics: the prompt counts twice (both sequences of the pair read it), padding 0
+    token_weights = torch.zeros((B, T), dtype=torch.float32)
     seq_lens: list[int] = []
     seq_lens_k: list[int] = []
     targets: list[tuple[list[int], list[int]]] = [([], [])] * (2 * len(pairs))
@@ -523,6 +526,8 @@ def _pack_shared(pairs: Sequence[PreferencePair], max_seq_len: int, pad_id: int,
             position_ids[b, t + lp + lc:t + lengths[i]] = torch.arange(lp, lp + lr)
             doc_index[b, t:t + lp + lc] = 2 * i
             doc_index[b, t + lp + lc:t + lengths[i]] = 2 * i + 1
+            token_weights[b, t:t + lengths[i]] = 1.0
+            token_weights[b, t:t + lp] = 2.0
             prompt_rows = list(range(base, base + lp))
             chosen = _branch_targets(p.prompt, p.chosen, prompt_rows
                                      + list(range(base + lp, base + lp + lc)))
@@ -555,7 +560,7 @@ def _pack_shared(pairs: Sequence[PreferencePair], max_seq_len: int, pad_id: int,
         target_rows=torch.tensor([r for rs, _ in targets for r in rs], dtype=torch.long),
         target_ids=torch.tensor([x for _, ids in targets for x in ids], dtype=torch.long),
         target_cu=target_cu, kv_index=shared_kv_index(seq_lens, seq_lens_k), cu_seqlens_k=cu_k,
-        max_seqlen_k=max(seq_lens_k), seq_lens_k=seq_lens_k)
+        max_seqlen_k=max(seq_lens_k), seq_lens_k=seq_lens_k, token_weights=token_weights)
     return batch, doc_index, counts
 
 

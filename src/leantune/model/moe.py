@@ -244,6 +244,7 @@ class MoEBlock(nn.Module):
         self.grouped_mm: bool | None = None
         self.record_router_stats = False
         self.router_stats: list | None = None
+        self.router_weights: torch.Tensor | None = None  # [N] per-token (CausalLM sets them)
 
     def route(self, x: torch.Tensor):
         return (self.router if self.spec.router == "topk_softmax" else self.gate)(x)
@@ -257,7 +258,7 @@ class MoEBlock(nn.Module):
             x = x * torch.empty_like(x).uniform_(1.0 - j, 1.0 + j)
         logits, weights, idx = self.route(x)
         if self.record_router_stats:
-            stats = router_stats(logits, idx)
+            stats = router_stats(logits, idx, self.router_weights)
             if self.router_stats is not None:
                 self.router_stats.append(stats)
         g = Grouping.build(idx, self.spec.num_experts, self.grouped_mm)
@@ -271,20 +272,27 @@ class MoEBlock(nn.Module):
         return ys.index_select(0, g.inverse).view(-1, self.spec.top_k, ys.shape[-1]).sum(1)
 
 
-def router_stats(logits: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def router_stats(logits: torch.Tensor, idx: torch.Tensor,
+                 weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(top-k choices per expert [E], summed router probabilities per expert [E], fp32) of one
-    layer's N tokens: the load-balancing loss's ingredients."""
+    layer's N tokens: the load-balancing loss's ingredients. `weights` [N]: each token's
+    choices and probabilities count that many times (PackedBatch.token_weights)."""
     E = logits.shape[-1]
-    chosen = expert_counts(idx.reshape(-1), E).float()
-    return chosen, torch.softmax(logits.float(), dim=-1).sum(0)
+    probs = torch.softmax(logits.float(), dim=-1)
+    if weights is None:
+        return expert_counts(idx.reshape(-1), E).float(), probs.sum(0)
+    w = weights.reshape(-1).float()
+    chosen = torch.zeros(E, device=logits.device, dtype=torch.float32).index_add_(
+        0, idx.reshape(-1), w.repeat_interleave(idx.shape[-1]))
+    return chosen, (probs * w[:, None]).sum(0)
 
 
-def load_balancing_loss(stats: list[tuple[torch.Tensor, torch.Tensor]], tokens: int,
-                        num_experts: int) -> torch.Tensor:
+def load_balancing_loss(stats: list[tuple[torch.Tensor, torch.Tensor]],
+                        tokens: "int | torch.Tensor", num_experts: int) -> torch.Tensor:
     """The Switch-Transformer auxiliary loss as transformers computes it over all MoE layers
     together: E * sum_e f_e * P_e, where f_e is the share of top-k choices that went to expert
     e and P_e its mean router probability, both over every layer's `tokens` tokens (the
-    choices' share sums to top_k)."""
+    choices' share sums to top_k; with token weights, `tokens` is their sum)."""
     rows = tokens * len(stats)
     chosen = sum(c for c, _ in stats) / rows
     prob = sum(p for _, p in stats) / rows

@@ -260,15 +260,18 @@ class CausalLM(nn.Module):
             b.record_router_stats = self.router_aux_loss
         if not (self.router_aux_loss and blocks):
             return self.hidden_states(input_ids, position_ids, batch), None
+        weights = getattr(batch, "token_weights", None)  # (PackedBatch.token_weights)
+        flat = None if weights is None else weights.reshape(-1)
         for b in blocks:
-            b.router_stats = []
+            b.router_stats, b.router_weights = [], flat
         try:
             h = self.hidden_states(input_ids, position_ids, batch)
             stats = [s for b in blocks for s in b.router_stats]
         finally:
             for b in blocks:
-                b.router_stats = None
-        return h, load_balancing_loss(stats, input_ids.numel(), self.config.moe.num_experts)
+                b.router_stats = b.router_weights = None
+        tokens = input_ids.numel() if flat is None else flat.sum()
+        return h, load_balancing_loss(stats, tokens, self.config.moe.num_experts)
 
     def forward_cached(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                        meta: AttentionMeta) -> torch.Tensor:

@@ -170,3 +170,20 @@ def test_the_switch_from_the_cli_and_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("LEANTUNE_TRIM_OFFLOAD", "0")
     opts, names = EngineOptions().with_env_overrides()
     assert opts.trim_offload is False and names == ["trim_offload"]
+
+
+@pytest.mark.parametrize("raw,want", [("0", False), ("off", False), ("No", False),
+                                      ("1", True), ("TRUE", True), (" on ", True)])
+def test_boolean_environment_values(raw, want, monkeypatch):
+    monkeypatch.setenv("LEANTUNE_FUSE_GLU_LORA", raw)
+    opts, _ = EngineOptions().with_env_overrides()
+    assert opts.fuse_glu_lora is want
+
+
+def test_a_mistyped_boolean_environment_value_is_one_line(monkeypatch):
+    from leantune.errors import LeantuneError
+
+    monkeypatch.setenv("LEANTUNE_TRIM_OFFLOAD", "maybe")
+    with pytest.raises(LeantuneError, match=r"LEANTUNE_TRIM_OFFLOAD='maybe' is not a valid "
+                                            r"switch \(1/true/on/yes or 0/false/off/no\)"):
+        EngineOptions().with_env_overrides()

@@ -17,6 +17,18 @@ KERNELS = ("auto", "triton", "reference")
 ATTENTION = ("auto", "flash", "sdpa")
 
 
+_TRUE, _FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
+
+
+def _flag(raw: str) -> bool:
+    """A boolean environment value: 1/true/on/yes or 0/false/off/no (any case); else
+    ValueError (a typo must not switch an option on)."""
+    v = raw.strip().lower()
+    if v in _TRUE or v in _FALSE:
+        return v in _TRUE
+    raise ValueError(raw)
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     """kernels: "auto" (Triton on CUDA tensors, PyTorch elsewhere), "triton" or "reference".
@@ -89,10 +101,11 @@ class EngineOptions:
                 continue
             kind = type(getattr(self, f.name))
             try:
-                changes[f.name] = (raw not in ("0", "false", "False", "off") if kind is bool
-                                   else kind(raw))
+                changes[f.name] = _flag(raw) if kind is bool else kind(raw)
             except ValueError:
-                raise LeantuneError(f"LEANTUNE_{f.name.upper()}={raw!r} is not a valid "
-                                    f"{kind.__name__}; unset it or fix the value") from None
+                what = ("switch (1/true/on/yes or 0/false/off/no)" if kind is bool
+                        else f"{kind.__name__}")
+                raise LeantuneError(f"LEANTUNE_{f.name.upper()}={raw!r} is not a valid {what}; "
+                                    "unset it or fix the value") from None
             names.append(f.name)
         return replace(self, **changes), names

@@ -17,7 +17,9 @@ MLP's outputs normed too, their inputs rebuilt in backward for those norms), the
                                                      comes out of the GLU backward)
 
 What each level keeps, and its bytes, is `Kept` below (the planner asks `FusedExecutor` for
-them). The down projection is never recomputed (its output is not needed in backward), nor,
+them). From ATTENTION up a plan may leave q/k/v out (LayerPlan.keep_qkv=False: backward projects
+them again from the rebuilt norm1 output, bit for bit), for offloaded layers whose copies the
+host link cannot carry in time. The down projection is never recomputed (its output is not needed in backward), nor,
 from ATTENTION up, the o projection. Kept tensors stay on the GPU or, with `offload`, are copied
 to pinned host memory on a side stream as soon as they exist and copied back one layer ahead
 during backward (engine/activation_store.py). The MLP runs over row chunks when its
@@ -30,7 +32,10 @@ backward is done with them (gate/up after the MLP), not when the layer ends.
 On an FP8 base whose GEMMs run on cuBLAS, the norms before q/k/v and gate/up and the GLU
 before down write their output's e4m3 codes as they write it, in forward and in recompute
 (`_normed`, `_down_input`; ProjectionGroup.quantized_input), so those GEMMs run no quantisation
-pass of their own (LEANTUNE_FP8_FUSED_QUANT=0: they do; the results are bit-identical).
+pass of their own (LEANTUNE_FP8_FUSED_QUANT=0: they do; the results are bit-identical). Where
+gate/up's LoRA is not inside their GEMM (FP8, unpacked), the GLU kernels add its low-rank terms,
+and the GLU backward the down projection's dX term (`_gate_up`, EngineOptions.fuse_glu_lora): a
+kept gate | up is then the GEMM's output without them.
 
 `CheckpointExecutor` is the autograd path's recompute (torch.utils.checkpoint around the
 layer's plain forward), for layers the fused path cannot take (`fused_unsupported`).

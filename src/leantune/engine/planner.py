@@ -15,7 +15,11 @@ offloaded layers' copies in flight and a layer's working set; the loss holds eve
 plus the fused cross-entropy's logits chunk; the backward of layer i holds what the layers below
 keep, its own state (reloaded, if offloaded; rebuilt up to ATTENTION, if it kept only its
 input), the next layer's state being prefetched, and the working set, less the gate/up it kept
-(it back-propagates through them instead of recomputing them). The working set (a layer's
+(it back-propagates through them instead of recomputing them). Where the budget forces more
+layers' state off the GPU than the host link carries during a forward (an FP8 forward runs
+faster: FP8_FWD_FLOPS_PER_S), the fewest needed offload it without q/k/v (trim_for_link:
+LayerPlan.keep_qkv=False, a third fewer bytes for one q/k/v GEMM again in backward), lowest
+layers first, rather than the forward waiting on the copies. The working set (a layer's
 row-chunked MLP, a few [tokens, hidden] buffers, allocator slack) is HEADROOM_GIB +
 HEADROOM_HIDDEN [tokens, hidden] tensors + the MLP chunk (forward chunks are
 mlp_forward_chunk_factor times the backward's; a layer kept whole runs its MLP in one piece).

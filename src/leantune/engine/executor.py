@@ -322,10 +322,20 @@ class _LayerRun:
         self.act = self.layer.mlp.act
         # gate/up's LoRA where it is not inside their GEMM (an FP8 base; unpacked): added in the
         # GLU kernels instead of two passes over gate | up (EngineOptions.fuse_glu_lora)
-        self.glu_terms = self.gu.glu_terms() if self.ex.options.fuse_glu_lora else None
+        self.fuse_glu = self.ex.options.fuse_glu_lora and self.gu.takes_glu_terms
+        self._glu_terms = None  # (made when first needed in forward and in backward)
 
     def _drop_groups(self):
-        self.qkv = self.o = self.gu = self.down = self.glu_terms = None
+        self.qkv = self.o = self.gu = self.down = self._glu_terms = None
+        self.fuse_glu = False
+
+    def _terms(self):
+        """gate/up's low-rank terms for the GLU kernels (ProjectionGroup.glu_terms), made on
+        first use in forward and again in backward: not held between them (2 x [I, R] a layer
+        for every layer of the step)."""
+        if self._glu_terms is None:
+            self._glu_terms = self.gu.glu_terms()
+        return self._glu_terms
 
     def _normed(self, norm, x2: torch.Tensor, group: ProjectionGroup,
                 xa: torch.Tensor | None = None, quantize: bool = False):
@@ -401,13 +411,13 @@ class _LayerRun:
         """gate | up [n, 2 I] for rows X2 of the gate/up input -> (gu, lora): with glu_terms,
         gu without the LoRA terms and lora = (x A^T, bg, bu) for the GLU kernels to add them;
         else gu with them and None."""
-        if self.glu_terms is None:
+        if not self.fuse_glu:
             return self.gu.project(X2, xq=xq), None
         return self.gu.project(X2, xq=xq, lora=False), self._glu_lora(X2)
 
     def _glu_lora(self, X2: torch.Tensor):
         """The GLU kernels' `lora` for rows X2 of the gate/up input (None without glu_terms)."""
-        return None if self.glu_terms is None else (self.gu.lora_x(X2), *self.glu_terms)
+        return (self.gu.lora_x(X2), *self._terms()) if self.fuse_glu else None
 
     def _down_input(self, gu: torch.Tensor, lora=None):
         """act(gate) * up for gate | up `gu` [n, 2 I] (with `lora`: _gate_up's, its terms added
@@ -470,6 +480,7 @@ class _LayerRun:
         # returning a view (an in-place op on it would skip its pre-backward hook)
         out3 = x.new_empty(B, T, H)
         mlp_kept = self._mlp_forward(h_mid, out3.view(B * T, H), keeps_state)
+        self._glu_terms = None  # (backward makes them again)
         if not self.in_graph:
             self._drop_groups()
             return out3

@@ -147,13 +147,18 @@ class ProjectionGroup:
         """x A_cat^T [n, R] for input X (a new_input buffer or [n, in]), None without LoRA."""
         return None if self.a is None else X[:, :self.in_f] @ self.a.t()
 
+    @property
+    def takes_glu_terms(self) -> bool:
+        """Whether this is a gate | up pair with LoRA not inside its GEMM (glu_terms)."""
+        return not (self.a is None or self.lora_in_gemm or len(self.mods) != 2
+                    or self.outs[0] != self.outs[1])
+
     def glu_terms(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """For a gate | up group whose LoRA is not inside its GEMM: (bg, bu) [I, R], the
-        projections' s B placed in their own columns of x A_cat^T (zeros in the other's), the
-        low-rank terms glu_fwd / glu_bwd_ add in the kernel (`lora` = (lora_x, bg, bu)); None
-        where the group is not such a pair (made once per layer run)."""
-        if (self.a is None or self.lora_in_gemm or len(self.mods) != 2
-                or self.outs[0] != self.outs[1]):
+        """For a gate | up group whose LoRA is not inside its GEMM (takes_glu_terms): (bg, bu)
+        [I, R], the projections' s B placed in their own columns of x A_cat^T (zeros in the
+        other's), the low-rank terms glu_fwd / glu_bwd_ add in the kernel (`lora` = (lora_x,
+        bg, bu)); None where the group is not such a pair."""
+        if not self.takes_glu_terms:
             return None
         terms = []
         for m, b, cols in zip(self.mods, self.b, self.cols):

@@ -109,3 +109,28 @@ def test_packed_16bit_layers_keep_gate_up_lora_in_the_gemm(backend, monkeypatch)
     loss_off, g_off = _run(model, backend, fuse_glu_lora=False)
     torch.testing.assert_close(loss_on, loss_off, rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(g_on, g_off, rtol=2e-5, atol=2e-5)
+
+
+def test_ranks_past_the_kernels_limit_take_the_passes(monkeypatch):
+    """gate + up's ranks over MAX_LORA_RANK (here r = 40 each: 80 columns) stay on the addmm_
+    passes, the down projection's too; the loss and gradients still equal autograd's."""
+    from leantune import LoRAConfig, apply_lora
+    from leantune.kernels.swiglu import MAX_LORA_RANK
+    from leantune.model.config import ModelConfig
+    from leantune.model.loader import build_empty
+
+    torch.manual_seed(0)
+    m = build_empty(ModelConfig.from_dict(FAMILIES["llama"]), torch.float32, torch.device("cpu"))
+    m.init_weights(std=0.1, seed=0)
+    apply_lora(m, LoRAConfig(r=40, alpha=8, targets="gate,up,down"), seed=0)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    assert 2 * 40 > MAX_LORA_RANK
+    m = quantize_fp8_(m)
+    dy = []
+    seen = _spy_glu(monkeypatch, dy)
+    with kernels.backend("reference"):
+        check(m, PLANS, rtol=1e-4, atol=2e-4)
+    assert seen and not any(seen) and dy and all(dy)  # (down's r = 40 <= the limit)

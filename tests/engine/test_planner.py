@@ -238,9 +238,9 @@ def _mlp_bytes_at_glu_backward(monkeypatch, keep, I=512):
     seen = []
     real = _REAL_GLU_BWD  # (not the attribute: the second call would wrap the first's wrapper)
 
-    def glu_bwd_(dy, gate, up, act, h_out=None):
+    def glu_bwd_(dy, gate, up, act, h_out=None, **terms):
         seen.append(gate.untyped_storage().nbytes() + dy.untyped_storage().nbytes())
-        return real(dy, gate, up, act, h_out=h_out)
+        return real(dy, gate, up, act, h_out=h_out, **terms)
 
     monkeypatch.setattr(executor_module, "glu_bwd_", glu_bwd_)
     model = model_for(cfgd)

@@ -154,3 +154,18 @@ def test_bad_lora_shapes_are_one_clear_error():
         glu_bwd_(gu[:, 8:].clone(), gu[:, :8], gu[:, 8:], 0, lora=(xa.t(), bg, bu))
     with pytest.raises(ValueError, match="dy_lora: expected ga"):
         glu_bwd_(gu[:, 8:].clone(), gu[:, :8], gu[:, 8:], 0, dy_lora=(xa, bg))
+
+
+def test_mixed_dtypes_and_too_many_columns_are_one_clear_error():
+    from leantune.kernels.swiglu import MAX_LORA_RANK
+
+    gu, (xa, bg, bu), _ = _inputs(5, 8, 4, torch.float32)
+    with pytest.raises(ValueError, match="of gate's dtype"):
+        glu_fwd(gu[:, :8], gu[:, 8:], 0, lora=(xa.bfloat16(), bg.bfloat16(), bu.bfloat16()))
+    with pytest.raises(ValueError, match="of gate's dtype"):
+        glu_bwd_(gu[:, 8:].clone(), gu[:, :8], gu[:, 8:], 0,
+                 dy_lora=(xa.double(), torch.zeros(4, 8, dtype=torch.float64)))
+    R = MAX_LORA_RANK + 1
+    with pytest.raises(ValueError, match=f"R <= {MAX_LORA_RANK}"):
+        glu_fwd(gu[:, :8], gu[:, 8:], 0,
+                lora=(torch.zeros(5, R), torch.zeros(8, R), torch.zeros(8, R)))

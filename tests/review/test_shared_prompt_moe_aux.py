@@ -62,3 +62,15 @@ def test_moe_aux_loss_counts_the_sequences_not_the_padding(tmp_path):
                      for j in range(len(stats[0]))]
     want = load_balancing_loss(per_layer, n, model.config.moe.num_experts)
     torch.testing.assert_close(aux, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_batch_of_padding_alone_gives_a_zero_aux_loss_not_nan():
+    from leantune.batch import PackedBatch
+
+    model = model_for(MIXTRAL)
+    model.router_aux_loss = True
+    b = PackedBatch.from_documents([[([5, 6, 7, 8], [-100] * 4)]], pad_to_multiple=1)
+    b.token_weights = torch.zeros(b.input_ids.shape)
+    with torch.no_grad():
+        out = model(batch=b, token_logps=True)
+    assert torch.isfinite(out.aux_loss) and out.aux_loss == 0

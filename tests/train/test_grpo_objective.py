@@ -231,3 +231,25 @@ def test_sigterm_mid_step_checkpoints_and_resume_reproduces(setup, tmp_path):
     for ra, rb in zip(a, b):
         for k in KEYS:
             assert math.isclose(ra[k], rb[k], rel_tol=1e-6, abs_tol=1e-9), (k, ra, rb)
+
+
+def test_kept_rollouts_keep_every_batch_tensor(tmp_path):
+    """The rollouts kept for a resume inside a --num-iterations window come back with every
+    tensor of their batches (token_weights too: the MoE statistics' padding mask)."""
+    import types
+
+    from leantune.train.objectives.grpo import GRPOObjective, pack_rollouts
+
+    rb = pack_rollouts([[1, 2, 3], [4, 5]], [[6, 7], [8, 9, 10, 11]], [True, True],
+                       torch.tensor([0.5, -0.5]), max_seq_len=16)
+    assert rb.batch.token_weights is not None and (rb.batch.token_weights == 0).any()
+    held = types.SimpleNamespace(window_cache=[rb], rollout_metrics={},
+                                 s=types.SimpleNamespace(num_iterations=2))
+    runner = types.SimpleNamespace(output=str(tmp_path), step=1)
+    GRPOObjective._save_rollouts(held, runner, 0)
+    GRPOObjective._load_rollouts(held, runner, 0)
+    back = held.window_cache[0].batch
+    for name in ("input_ids", "labels", "position_ids", "cu_seqlens", "token_weights",
+                 "target_rows"):
+        assert torch.equal(getattr(back, name), getattr(rb.batch, name)), name
+    assert back.seq_lens == rb.batch.seq_lens and back.max_seqlen == rb.batch.max_seqlen

@@ -56,7 +56,8 @@ def one_gpu_bytes(cfg, model_config, dtype: torch.dtype,
     autograd = cfg.compile or Engine(options).fused_unsupported(m) is not None
     work = Workload(model_config, cfg.batch_size * cfg.max_seq_len,
                     torch.finfo(dtype).bits // 8, lora_ranks=lora_ranks(m.layers[0]),
-                    autograd=autograd, options=options, expert_lora=has_expert_lora(m))
+                    autograd=autograd, options=options, expert_lora=has_expert_lora(m),
+                    fp8=cfg.precision == "fp8")
     weights = sum(p.numel() * p.element_size() for p in m.parameters())
     state = sum(12 * p.numel() for p in m.parameters() if p.requires_grad)
     return weights + state + least_plan_bytes(work, host_bytes), weights

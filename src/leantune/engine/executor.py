@@ -52,7 +52,7 @@ from torch.utils.checkpoint import checkpoint
 from ..kernels.qk_norm_rope import qk_norm_rope_bwd_, qk_norm_rope_fwd
 from ..kernels.rmsnorm import rms_norm_bwd, rms_norm_fwd
 from ..kernels.rope import rope_
-from ..kernels.swiglu import glu_bwd_, glu_fwd
+from ..kernels.swiglu import MAX_LORA_RANK, glu_bwd_, glu_fwd
 from ..model.attention import AttentionMeta
 from ..model.moe import MoEBlock
 from .activation_store import ActivationStore
@@ -322,7 +322,8 @@ class _LayerRun:
         self.act = self.layer.mlp.act
         # gate/up's LoRA where it is not inside their GEMM (an FP8 base; unpacked): added in the
         # GLU kernels instead of two passes over gate | up (EngineOptions.fuse_glu_lora)
-        self.fuse_glu = self.ex.options.fuse_glu_lora and self.gu.takes_glu_terms
+        self.fuse_glu = (self.ex.options.fuse_glu_lora and self.gu.takes_glu_terms
+                         and self.gu.R <= MAX_LORA_RANK)
         self._glu_terms = None  # (made when first needed in forward and in backward)
 
     def _drop_groups(self):
@@ -628,7 +629,8 @@ class _LayerRun:
             if self.layer.norm("mlp_out") is not None:  # through the MLP-out norm
                 ddown = self._through_out_norm("mlp_out", self._down_out(gu, lora), ddown)
             # (with fuse_glu_lora, da without its LoRA term ga A: the GLU kernel adds it)
-            fuse_ga = self.ex.options.fuse_glu_lora and self.down.a is not None
+            fuse_ga = (self.ex.options.fuse_glu_lora and self.down.a is not None
+                       and self.down.R <= MAX_LORA_RANK)
             da, ga = self.down.input_grad(ddown, add_ga=not fuse_ga)
             # gate, up <- d gate, d up in place; da <- act(gate) * up, the down projection's input
             glu_bwd_(da, gu[:, :inter], gu[:, inter:], self.act, h_out=da, lora=lora,

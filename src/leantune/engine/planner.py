@@ -411,8 +411,10 @@ def plan_layers(w: Workload, budget_bytes: float, fixed_bytes: float,
         if not fits(trial):
             break
         plans = trial
-    # (the layers kept on the GPU take no copies: the offloaded ones left may trim less)
-    return trim_for_link(w, plans)
+    # (the layers kept on the GPU take no copies: the offloaded ones left may trim less, if the
+    # larger copies still fit)
+    final = trim_for_link(w, plans)
+    return final if fits(final) or not fits(plans) else plans
 
 
 def _loss_chunks(w: Workload) -> list[int | None]:

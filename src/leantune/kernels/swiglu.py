@@ -250,6 +250,9 @@ if triton is not None:
                      mask=mask)
 
 
+# The most low-rank columns the kernels take (a tile holds [BLOCK_M, R] and 2 x [R, BLOCK_N]; the
+# engine passes larger ranks' terms as before, in passes of their own)
+MAX_LORA_RANK = 64
 # 16-bit tl.dot operands on the GPU (False: cast to fp32 first, TF32; the bench compares: on the
 # H200 at 8192 x 14336, R 32, the forward 0.279 ms against 0.385, the backward 0.511 / 0.523)
 DOT16 = True
@@ -279,10 +282,10 @@ def _check_lora(lora, gate) -> None:
     R = xa.shape[1]
     if (xa.shape != (n, R) or bg.shape != (cols, R) or bu.shape != (cols, R)
             or xa.stride(1) != 1 or bg.stride(1) != 1 or bu.stride(1) != 1
-            or not xa.dtype == bg.dtype == bu.dtype):
-        raise ValueError(f"lora: expected xa [{n}, R], bg / bu [{cols}, R] of one dtype with "
-                         f"contiguous columns, got {tuple(xa.shape)}, {tuple(bg.shape)}, "
-                         f"{tuple(bu.shape)}")
+            or not xa.dtype == bg.dtype == bu.dtype == gate.dtype or R > MAX_LORA_RANK):
+        raise ValueError(f"lora: expected xa [{n}, R], bg / bu [{cols}, R] (R <= "
+                         f"{MAX_LORA_RANK}) of gate's dtype with contiguous columns, got "
+                         f"{tuple(xa.shape)}, {tuple(bg.shape)}, {tuple(bu.shape)}")
 
 
 def _with_lora_reference(gate, up, lora):
@@ -471,9 +474,11 @@ def glu_bwd_(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int,
     if dy_lora is not None:
         ga, a = dy_lora
         if (ga.shape[0] != dy.shape[0] or a.shape != (ga.shape[1], dy.shape[1])
-                or ga.stride(1) != 1 or a.stride(1) != 1):
+                or ga.stride(1) != 1 or a.stride(1) != 1 or ga.shape[1] > MAX_LORA_RANK
+                or not ga.dtype == a.dtype == gate.dtype):
             raise ValueError(f"dy_lora: expected ga [{dy.shape[0]}, Rd], a [Rd, {dy.shape[1]}] "
-                             f"with contiguous columns, got {tuple(ga.shape)}, {tuple(a.shape)}")
+                             f"(Rd <= {MAX_LORA_RANK}) of gate's dtype with contiguous columns, "
+                             f"got {tuple(ga.shape)}, {tuple(a.shape)}")
     if use_triton(gate) and (lora is not None or dy_lora is not None):
         if gate.numel():
             xa, bg, bu = lora if lora is not None else (gate, gate, gate)

@@ -270,7 +270,8 @@ class CausalLM(nn.Module):
         finally:
             for b in blocks:
                 b.router_stats = b.router_weights = None
-        tokens = input_ids.numel() if flat is None else flat.sum()
+        # (a batch of padding alone: no statistics, a zero loss rather than 0 / 0)
+        tokens = input_ids.numel() if flat is None else flat.sum().clamp_min(1.0)
         return h, load_balancing_loss(stats, tokens, self.config.moe.num_experts)
 
     def forward_cached(self, input_ids: torch.Tensor, position_ids: torch.Tensor,

@@ -387,8 +387,10 @@ class GRPOObjective(Objective):
         tensors = {}
         for i, rb in enumerate(self.window_cache):
             b = rb.batch
-            for name in ("input_ids", "labels", "position_ids", "cu_seqlens"):
-                tensors[f"{i}.{name}"] = getattr(b, name).contiguous()
+            for f in fields(b):  # every tensor the batch holds (token_weights included)
+                v = getattr(b, f.name)
+                if isinstance(v, torch.Tensor):
+                    tensors[f"{i}.{f.name}"] = v.contiguous()
             for name in ("index", "mask", "advantages", "old_logps", "ref_logps"):
                 v = getattr(rb, name)
                 if v is not None:
@@ -420,9 +422,10 @@ class GRPOObjective(Objective):
                 f"are not there ({e}); resume from a checkpoint at a multiple of "
                 "--num-iterations, or start again with --overwrite") from None
         window = []
+        names = {f.name for f in fields(PackedBatch)}
         for i, extra in enumerate(json.loads(meta["batches"])):
-            b = PackedBatch(**{n: t[f"{i}.{n}"] for n in ("input_ids", "labels", "position_ids",
-                                                          "cu_seqlens")}, **extra)
+            held = {n: t[f"{i}.{n}"] for n in names if f"{i}.{n}" in t}
+            b = PackedBatch(**held, **{k: v for k, v in extra.items() if k not in held})
             rb = RolloutBatch(b, t[f"{i}.index"], t[f"{i}.mask"], t[f"{i}.advantages"],
                               t.get(f"{i}.old_logps"), t.get(f"{i}.ref_logps"),
                               num_sequences=t[f"{i}.index"].shape[0],

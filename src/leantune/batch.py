@@ -55,8 +55,8 @@ class PackedBatch:
             (host int); seq_lens_k the host copy of its lengths.
 
     token_weights: [B, T] fp32, how much each token counts in the MoE load-balancing statistics
-        (model/moe.py router_stats): the preference batches' (data/preference.py) count
-        padding 0 and a shared prompt twice, so the loss is the two-document layout's and
+        (model/moe.py router_stats): the preference, KTO and GRPO batches' (data/preference.py)
+        count padding 0 and a shared prompt twice, so the loss is the two-document layout's and
         transformers' with its attention mask. None (SFT): every token once, padding too.
     """
 

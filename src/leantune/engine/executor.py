@@ -19,8 +19,8 @@ MLP's outputs normed too, their inputs rebuilt in backward for those norms), the
 What each level keeps, and its bytes, is `Kept` below (the planner asks `FusedExecutor` for
 them). From ATTENTION up a plan may leave q/k/v out (LayerPlan.keep_qkv=False: backward projects
 them again from the rebuilt norm1 output, bit for bit), for offloaded layers whose copies the
-host link cannot carry in time. The down projection is never recomputed (its output is not needed in backward), nor,
-from ATTENTION up, the o projection. Kept tensors stay on the GPU or, with `offload`, are copied
+host link cannot carry in time. The down projection is never recomputed (its output is not
+needed in backward), nor, from ATTENTION up, the o projection. Kept tensors stay on the GPU or, with `offload`, are copied
 to pinned host memory on a side stream as soon as they exist and copied back one layer ahead
 during backward (engine/activation_store.py). The MLP runs over row chunks when its
 [rows, intermediate] tensors would be large, so its working set stays small.
@@ -322,13 +322,15 @@ class _LayerRun:
         self.act = self.layer.mlp.act
         # gate/up's LoRA where it is not inside their GEMM (an FP8 base; unpacked): added in the
         # GLU kernels instead of two passes over gate | up (EngineOptions.fuse_glu_lora)
-        self.fuse_glu = (self.ex.options.fuse_glu_lora and self.gu.takes_glu_terms
-                         and self.gu.R <= MAX_LORA_RANK)
+        fuse = self.ex.options.fuse_glu_lora
+        self.fuse_glu = fuse and self.gu.takes_glu_terms and self.gu.R <= MAX_LORA_RANK
+        # and the down projection's dX LoRA term in the GLU backward (glu_bwd_'s dy_lora)
+        self.fuse_dx = fuse and self.down.a is not None and self.down.R <= MAX_LORA_RANK
         self._glu_terms = None  # (made when first needed in forward and in backward)
 
     def _drop_groups(self):
         self.qkv = self.o = self.gu = self.down = self._glu_terms = None
-        self.fuse_glu = False
+        self.fuse_glu = self.fuse_dx = False
 
     def _terms(self):
         """gate/up's low-rank terms for the GLU kernels (ProjectionGroup.glu_terms), made on
@@ -628,13 +630,11 @@ class _LayerRun:
             ddown = dout[rows]  # the down projection's output gradient
             if self.layer.norm("mlp_out") is not None:  # through the MLP-out norm
                 ddown = self._through_out_norm("mlp_out", self._down_out(gu, lora), ddown)
-            # (with fuse_glu_lora, da without its LoRA term ga A: the GLU kernel adds it)
-            fuse_ga = (self.ex.options.fuse_glu_lora and self.down.a is not None
-                       and self.down.R <= MAX_LORA_RANK)
-            da, ga = self.down.input_grad(ddown, add_ga=not fuse_ga)
+            # (fuse_dx: da without its LoRA term ga A, which the GLU kernel adds)
+            da, ga = self.down.input_grad(ddown, add_ga=not self.fuse_dx)
             # gate, up <- d gate, d up in place; da <- act(gate) * up, the down projection's input
             glu_bwd_(da, gu[:, :inter], gu[:, inter:], self.act, h_out=da, lora=lora,
-                     dy_lora=(ga, self.down.a) if fuse_ga else None)
+                     dy_lora=(ga, self.down.a) if self.fuse_dx else None)
             self.down.lora_grads(da, ddown, ga, grads,
                                  None if xa_down is None else xa_down[rows])
             del ddown

@@ -424,8 +424,8 @@ class GRPOObjective(Objective):
         window = []
         names = {f.name for f in fields(PackedBatch)}
         for i, extra in enumerate(json.loads(meta["batches"])):
-            held = {n: t[f"{i}.{n}"] for n in names if f"{i}.{n}" in t}
-            b = PackedBatch(**held, **{k: v for k, v in extra.items() if k not in held})
+            # (the tensors saved; `extra` holds the other fields, the unset tensors' None too)
+            b = PackedBatch(**{n: t[f"{i}.{n}"] for n in names if f"{i}.{n}" in t}, **extra)
             rb = RolloutBatch(b, t[f"{i}.index"], t[f"{i}.mask"], t[f"{i}.advantages"],
                               t.get(f"{i}.old_logps"), t.get(f"{i}.ref_logps"),
                               num_sequences=t[f"{i}.index"].shape[0],

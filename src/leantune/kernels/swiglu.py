@@ -146,19 +146,6 @@ if triton is not None:
 if triton is not None:
 
     @triton.jit
-    def _small_dot(a, b, IEEE: tl.constexpr, DOT16: tl.constexpr):
-        """a @ b summed in fp32 (a low-rank term, K = the rank): 16-bit operands as they are on
-        the GPU (DOT16), else in fp32 (16-bit values are exact in TF32; fp32 inputs, IEEE, are
-        not rounded to TF32; the interpreter multiplies 16-bit operands wrongly)."""
-        if IEEE:
-            c = tl.dot(a, b, input_precision="ieee")
-        elif DOT16:
-            c = tl.dot(a, b)
-        else:
-            c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32")
-        return c
-
-    @triton.jit
     def _lora_tile(G, U, XA, BG, BU, rm, rn, rows, cols, R, stride_g, stride_u, stride_xa,
                    stride_bg, stride_bu, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
                    DOT16: tl.constexpr):
@@ -175,8 +162,19 @@ if triton is not None:
                      other=0.0)
         g = tl.load(G + rm[:, None] * stride_g + rn[None, :], mask=mask, other=0.0).to(tl.float32)
         u = tl.load(U + rm[:, None] * stride_u + rn[None, :], mask=mask, other=0.0).to(tl.float32)
-        g += _small_dot(xa, bg, IEEE, DOT16)
-        u += _small_dot(xa, bu, IEEE, DOT16)
+        # products summed in fp32: 16-bit operands as they are on the GPU (DOT16), else in fp32
+        # (16-bit values are exact in TF32; fp32 inputs, IEEE, are not rounded to TF32; the
+        # interpreter multiplies 16-bit operands wrongly)
+        if IEEE:
+            g += tl.dot(xa, bg, input_precision="ieee")
+            u += tl.dot(xa, bu, input_precision="ieee")
+        elif DOT16:
+            g += tl.dot(xa, bg)
+            u += tl.dot(xa, bu)
+        else:
+            xa, bg, bu = xa.to(tl.float32), bg.to(tl.float32), bu.to(tl.float32)
+            g += tl.dot(xa, bg, input_precision="tf32")
+            u += tl.dot(xa, bu, input_precision="tf32")
         return g, u, mask
 
     @triton.jit
@@ -236,7 +234,12 @@ if triton is not None:
                          mask=(rm < rows)[:, None] & (rr < RD)[None, :], other=0.0)
             ad = tl.load(AD + rr[:, None] * stride_ad + rn[None, :],
                          mask=(rr < RD)[:, None] & (rn < cols)[None, :], other=0.0)
-            dy += _small_dot(ga, ad, IEEE, DOT16)
+            if IEEE:
+                dy += tl.dot(ga, ad, input_precision="ieee")
+            elif DOT16:
+                dy += tl.dot(ga, ad)
+            else:
+                dy += tl.dot(ga.to(tl.float32), ad.to(tl.float32), input_precision="tf32")
         a, da = _act_and_grad(g, ACT)
         tl.store(G + rm[:, None] * stride_g + rn[None, :], (dy * u * da).to(G.dtype.element_ty),
                  mask=mask)

@@ -31,6 +31,9 @@
 (f) gate/up's LoRA terms in the GLU kernels (--parts glu; EngineOptions.fuse_glu_lora): ms of the
     GLU forward (writing FP8 codes) and backward with the terms added in the kernel against two
     rank-16 addmm_ passes over gate | up before it (LEANTUNE_FUSE_GLU_LORA=0 in a step).
+    In (b), --lora-add on off runs each policy with q/k/v, o and down's LoRA terms (and o and
+    down's residuals) added by one kernel after the GEMM or by a residual pass and addmm_ per
+    projection (LEANTUNE_FUSE_LORA_ADD; kernels/lora_add.py).
 
     python bench/gpu_fp8.py                 # both parts on the GPU (~3 min on an H200)
     python bench/gpu_fp8.py --parts gemm    # (a) only
@@ -264,26 +267,31 @@ def step_part(args, device) -> list[dict]:
     cfg_model = None
     batch = None
     rows = []
-    runs = ([("bf16", p, None, t, args.glu_lora[0]) for p in args.bf16 for t in args.trim]
-            + [("fp8", p, fq, t, gl) for p in args.fp8 for fq in args.fused_quant
-               for t in args.trim for gl in args.glu_lora])
+    # (--lora-add applies to bf16 too: its unpacked o projection takes the kernel)
+    runs = ([("bf16", p, None, t, args.glu_lora[0], la) for p in args.bf16 for t in args.trim
+             for la in args.lora_add]
+            + [("fp8", p, fq, t, gl, la) for p in args.fp8 for fq in args.fused_quant
+               for t in args.trim for gl in args.glu_lora for la in args.lora_add])
     switches = {k: os.environ.get(k) for k in ("LEANTUNE_FP8_FUSED_QUANT",
                                                 "LEANTUNE_TRIM_OFFLOAD",
-                                                "LEANTUNE_FUSE_GLU_LORA")}
-    for precision, policy, fused_quant, trim, glu_lora in runs:
+                                                "LEANTUNE_FUSE_GLU_LORA",
+                                                "LEANTUNE_FUSE_LORA_ADD")}
+    for precision, policy, fused_quant, trim, glu_lora, lora_add in runs:
         if fused_quant is not None:  # (read at each GEMM: kernels/fp8_gemm.fused_quant)
             os.environ["LEANTUNE_FP8_FUSED_QUANT"] = "1" if fused_quant == "on" else "0"
         # (read by the Trainer's engine options: the planner's trim_for_link, the GLU kernels'
         # LoRA terms)
         os.environ["LEANTUNE_TRIM_OFFLOAD"] = "1" if trim == "on" else "0"
         os.environ["LEANTUNE_FUSE_GLU_LORA"] = "1" if glu_lora == "on" else "0"
+        os.environ["LEANTUNE_FUSE_LORA_ADD"] = "1" if lora_add == "on" else "0"
         model = leantune_model(shape, device,
                                torch.bfloat16 if device.type == "cuda" else torch.float32)
         cfg_model = model.config
         batch = batch or random_batch(cfg_model.vocab_size, args.rows, args.seq)
         tokens = batch.input_ids.numel()
         row = dict(shape=shape, precision=precision, policy=policy, gemm=gemm_name(
-            precision, device), fused_quant=fused_quant, trim=trim, glu_lora=glu_lora)
+            precision, device), fused_quant=fused_quant, trim=trim, glu_lora=glu_lora,
+            lora_add=lora_add)
         try:
             trainer, step = trainer_step(model, batch, policy, precision, args.steps, device)
             reset_peak(device)
@@ -608,11 +616,11 @@ def print_table(gemms: list[dict], steps: list[dict], losses: list[dict] = (),
               f"{r['fwd_rel_err']:.1e} bwd {r['bwd_rel_err']:.1e}")
     if steps:
         print("\nstep  shape         precision  gemm      policy     fused-q  trim  glu-lora  "
-              "tok/s     peak GiB   plan")
+              "lora-add  tok/s     peak GiB   plan")
         for r in steps:
             head = (f"      {r['shape']:<13} {r['precision']:<10} {r['gemm']:<9} "
                     f"{r['policy']:<10} {r.get('fused_quant') or '-':<7}  {r.get('trim', '-'):<4}  "
-                    f"{r.get('glu_lora', '-'):<8} ")
+                    f"{r.get('glu_lora', '-'):<8}  {r.get('lora_add', '-'):<8} ")
             print(head + (f"error: {r['error'][:80]}" if "error" in r else
                           f"{r['tok_s']:>8.0f}  {_f(r['peak_gib'], '{:.2f}'):>9}   "
                           f"{r['plan'][:100]}"))
@@ -640,6 +648,9 @@ def main():
                     help="glu: also time the low-rank GLU kernels at these tiles, "
                          "BLOCK_MxBLOCK_Nxnum_warps (e.g. 32x128x4 64x256x8; a trailing t: "
                          "tl.dot in TF32 over fp32 casts instead of 16-bit operands)")
+    ap.add_argument("--lora-add", nargs="+", default=["on"], choices=["on", "off"],
+                    help="step: each policy with LEANTUNE_FUSE_LORA_ADD on / off (the LoRA "
+                         "term and residual added in one kernel; bf16's o projection too)")
     ap.add_argument("--trim", nargs="+", default=["on"], choices=["on", "off"],
                     help="step: run each policy with LEANTUNE_TRIM_OFFLOAD on / off (offloaded "
                          "layers without q/k/v where the host link bounds the forward)")

@@ -47,7 +47,10 @@ class EngineOptions:
         trim_for_link) instead of letting the forward wait on the host link.
     fuse_glu_lora: where gate/up's LoRA is not inside their GEMM (an FP8 base, or unpacked),
         the GLU kernels add its low-rank terms (kernels/swiglu.py) instead of two passes over
-        the [tokens, 2 x intermediate] outputs that add them."""
+        the [tokens, 2 x intermediate] outputs that add them.
+    fuse_lora_add: where a projection's LoRA term is not inside its GEMM (an FP8 base, the
+        unpacked o projection), one kernel adds it and the residual to the GEMM's output
+        (kernels/lora_add.py) instead of a residual pass and one addmm_ per projection."""
 
     kernels: str = "auto"
     fused_layers: bool = True
@@ -60,6 +63,7 @@ class EngineOptions:
     link_gbs: float = 50.0
     trim_offload: bool = True
     fuse_glu_lora: bool = True
+    fuse_lora_add: bool = True
 
     def __post_init__(self):
         if self.kernels not in KERNELS:

@@ -10,12 +10,19 @@ The group concatenates its A's: xa = x A_cat^T is [n, R], R = sum r. Packed (eng
 it is one GEMM over [W_cat | s B] with xa in the input buffer's extra columns; in backward the
 same packed weight gives dx and ga from one GEMM (dy [W | s B] = [dy W | ga]). Unpacked, one GEMM
 per projection plus a rank-r product each. Outputs are one tensor [n, sum out].
+
+Where the LoRA term is not inside the GEMM (an FP8 base; the unpacked o projection), it is added
+with the residual in one pass over y (kernels/lora_add.py: y + resid + xa B_cat^T, B_cat the
+s B_i side by side), not one addmm_ per projection after a residual pass
+(EngineOptions.fuse_lora_add).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..kernels.lora_add import MAX_RANK as _LORA_ADD_MAX_RANK
+from ..kernels.lora_add import lora_add_
 from .weights import DenseWeights
 
 
@@ -49,6 +56,10 @@ class ProjectionGroup:
         self.lora_in_gemm = self.packed and self.width > self.in_f
         if self.lora_in_gemm:
             self.source.write_lora_columns(self.in_f, self.cols)
+        # the LoRA term (and a residual) added by one kernel where it is not in the GEMM
+        self.fuse_add = (getattr(weights.options, "fuse_lora_add", False) and self.R > 0
+                         and not self.lora_in_gemm and self.R <= _LORA_ADD_MAX_RANK)
+        self._b_cat = None  # (made on first use: b_cat)
         self.bias_cat = None
         if any(b is not None for b in self.bias):
             dev = mods[0].base_device
@@ -110,23 +121,27 @@ class ProjectionGroup:
         y (glu_terms)."""
         if not lora and self.lora_in_gemm:
             raise ValueError("lora=False: this group's LoRA term is inside its packed GEMM")
+        # the LoRA term after the GEMM (not inside it), with the residual in the same pass
+        fused = self.fuse_add and lora
+        gemm_resid = None if fused else resid
         if self.packed:
             if X.shape[1] != self.width:
                 raise ValueError("packed group: pass new_input's buffer (after fill_lora)")
-            y = self.source.mm_packed(X if xq is None else xq, out=out, resid=resid)
+            y = self.source.mm_packed(X if xq is None else xq, out=out, resid=gemm_resid)
             if self.bias_cat is not None:
                 y.add_(self.bias_cat)
             if self.a is not None and not self.lora_in_gemm and lora:
-                xa = X @ self.a.t()
-                for yi, m, b, cols in zip(self.split(y), self.mods, self.b, self.cols):
-                    if b is not None:
-                        yi.addmm_(xa[:, cols], b.t(), alpha=m.scaling)
+                xa = X[:, :self.in_f] @ self.a.t()
+                if fused:
+                    lora_add_(y, xa, self.b_cat(), resid)
+                else:
+                    self._addmm_lora(self.split(y), xa)
             return y
         x = X[:, :self.in_f]
         xa = x @ self.a.t() if self.a is not None and lora else None
         xin = x if xq is None else xq
         if len(self.mods) == 1:
-            y = self.source.mm(0, xin, out=out, resid=resid)
+            y = self.source.mm(0, xin, out=out, resid=gemm_resid)
             ys = [y]
         else:
             if resid is not None:
@@ -136,12 +151,34 @@ class ProjectionGroup:
             ys = self.split(y)
             for i, yi in enumerate(ys):
                 self.source.mm(i, xin, out=yi)
-        for yi, m, bias, b, cols in zip(ys, self.mods, self.bias, self.b, self.cols):
+        for yi, bias in zip(ys, self.bias):
             if bias is not None:
                 yi.add_(bias)
-            if b is not None and xa is not None:
-                yi.addmm_(xa[:, cols], b.t(), alpha=m.scaling)
+        if fused:
+            lora_add_(y, xa, self.b_cat(), resid)
+        elif xa is not None:
+            self._addmm_lora(ys, xa)
         return y
+
+    def _addmm_lora(self, ys: list, xa: torch.Tensor) -> None:
+        """ys[i] += s_i xa_i B_i^T, one rank-r addmm_ per projection (fuse_add off)."""
+        for yi, m, b, cols in zip(ys, self.mods, self.b, self.cols):
+            if b is not None:
+                yi.addmm_(xa[:, cols], b.t(), alpha=m.scaling)
+
+    def b_cat(self) -> torch.Tensor:
+        """[sum out, R]: each projection's s B_i in its rows and its own R columns (zeros
+        elsewhere), so that y + xa B_cat^T adds every projection's LoRA term (lora_add_); made
+        once per layer run."""
+        if self._b_cat is None:
+            t = torch.zeros(sum(self.outs), self.R, dtype=self.a.dtype, device=self.a.device)
+            r = 0
+            for o, m, b, cols in zip(self.outs, self.mods, self.b, self.cols):
+                if b is not None:
+                    t[r:r + o, cols] = b * m.scaling
+                r += o
+            self._b_cat = t
+        return self._b_cat
 
     def lora_x(self, X: torch.Tensor) -> torch.Tensor | None:
         """x A_cat^T [n, R] for input X (a new_input buffer or [n, in]), None without LoRA."""

@@ -54,6 +54,7 @@ class EngineSettings:
     link_gbs: float = 50.0
     trim_offload: bool = True
     fuse_glu_lora: bool = True
+    fuse_lora_add: bool = True
 
     def build(self) -> EngineOptions:
         """The checked EngineOptions of these settings (a bad value: one line)."""

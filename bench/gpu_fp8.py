@@ -31,6 +31,8 @@
 (f) gate/up's LoRA terms in the GLU kernels (--parts glu; EngineOptions.fuse_glu_lora): ms of the
     GLU forward (writing FP8 codes) and backward with the terms added in the kernel against two
     rank-16 addmm_ passes over gate | up before it (LEANTUNE_FUSE_GLU_LORA=0 in a step).
+(g) The LoRA term and residual after the GEMM (--parts add): ms of lora_add_ against the passes
+    it replaces, at o / down's and q | k | v's shapes.
     In (b), --lora-add on off runs each policy with q/k/v, o and down's LoRA terms (and o and
     down's residuals) added by one kernel after the GEMM or by a residual pass and addmm_ per
     projection (LEANTUNE_FUSE_LORA_ADD; kernels/lora_add.py).
@@ -566,13 +568,67 @@ def glu_part(args, device) -> list[dict]:
     return rows
 
 
+def add_part(args, device) -> list[dict]:
+    """(g) The LoRA term added after the GEMM at --tokens rows of Llama-3.1-8B's projections
+    (r16 each): o and down (a residual, N 4096, R 16) and q | k | v (no residual, N 6144, R 48
+    in one block matrix): a residual pass and one addmm_ per projection (fuse_lora_add off)
+    against kernels/lora_add.lora_add_ (on); rel err of each against the formula in fp32."""
+    from leantune.kernels.lora_add import lora_add_
+
+    M = args.tokens
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    g = torch.Generator(device=device).manual_seed(0)
+    shapes = ({"o/down": ([256], True), "qkv": ([256, 64, 64], False)} if args.tiny else
+              {"o/down": ([4096], True), "qkv": ([4096, 1024, 1024], False)})
+    rows = []
+    for name, (outs, with_resid) in shapes.items():
+        def rnd(*shape, std=1.0):
+            return torch.empty(*shape, device=device, dtype=dtype).normal_(0, std, generator=g)
+
+        N, R = sum(outs), 16 * len(outs)
+        y0, xa, resid = rnd(M, N), rnd(M, R), rnd(M, N) if with_resid else None
+        bs = [rnd(o, 16, std=0.05) for o in outs]
+        b_cat = torch.zeros(N, R, device=device, dtype=dtype)
+        r0 = 0
+        for i, (o, b) in enumerate(zip(outs, bs)):
+            b_cat[r0:r0 + o, 16 * i:16 * (i + 1)] = b
+            r0 += o
+        want = y0.float() + xa.float() @ b_cat.float().t()
+        if resid is not None:
+            want += resid.float()
+        y = y0.clone()
+
+        def passes():
+            if resid is not None:
+                y.add_(resid)
+            r0 = 0
+            for i, (o, b) in enumerate(zip(outs, bs)):
+                y[:, r0:r0 + o].addmm_(xa[:, 16 * i:16 * (i + 1)], b.t())
+                r0 += o
+
+        def kernel():
+            lora_add_(y, xa, b_cat, resid)
+
+        errs = {}
+        for label, fn in (("passes", passes), ("kernel", kernel)):
+            y.copy_(y0)
+            fn()
+            errs[label] = rel_err(y, want)
+        row = dict(name=name, M=M, N=N, R=R, resid=with_resid,
+                   passes_ms=time_ms(passes, device), kernel_ms=time_ms(kernel, device),
+                   passes_rel_err=errs["passes"], kernel_rel_err=errs["kernel"])
+        record("lora_add", **row)
+        rows.append(row)
+    return rows
+
+
 def _f(v, fmt="{:.4g}"):
     return "-" if v is None else fmt.format(v)
 
 
 def print_table(gemms: list[dict], steps: list[dict], losses: list[dict] = (),
                 decodes: list[dict] = (), quants: list[dict] = (),
-                glus: list[dict] = ()) -> None:
+                glus: list[dict] = (), adds: list[dict] = ()) -> None:
     if gemms:
         print("\nGEMM    M x N x K        TFLOP/s: bf16 fwd / dX | triton fp8 fwd / dX(T) / "
               "dX(direct) [fwd, quant in-kernel] | speedup | rel err bf16 / fp8 | kernel vs "
@@ -614,6 +670,10 @@ def print_table(gemms: list[dict], steps: list[dict], losses: list[dict] = (),
               f"/ fused {r['fwd_fused_ms']:.3f} ms, bwd unfused {r['bwd_unfused_ms']:.3f} / fused "
               f"{r['bwd_fused_ms']:.3f} ms, saved {r['saved_ms']:.3f} ms a layer; rel err fwd "
               f"{r['fwd_rel_err']:.1e} bwd {r['bwd_rel_err']:.1e}")
+    for r in adds:
+        print(f"\nlora_add {r['name']} M {r['M']} N {r['N']} R {r['R']} resid {r['resid']}: "
+              f"passes {r['passes_ms']:.3f} ms, kernel {r['kernel_ms']:.3f} ms; rel err "
+              f"{r['passes_rel_err']:.1e} / {r['kernel_rel_err']:.1e}")
     if steps:
         print("\nstep  shape         precision  gemm      policy     fused-q  trim  glu-lora  "
               "lora-add  tok/s     peak GiB   plan")
@@ -638,7 +698,7 @@ def print_table(gemms: list[dict], steps: list[dict], losses: list[dict] = (),
 def main():
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--parts", nargs="+", default=["gemm", "step"],
-                    choices=["gemm", "step", "loss", "decode", "quant", "glu"])
+                    choices=["gemm", "step", "loss", "decode", "quant", "glu", "add"])
     ap.add_argument("--fused-quant", nargs="+", default=["on"], choices=["on", "off"],
                     help="step: run each fp8 policy with LEANTUNE_FP8_FUSED_QUANT on / off")
     ap.add_argument("--glu-lora", nargs="+", default=["on"], choices=["on", "off"],
@@ -684,7 +744,8 @@ def main():
     decodes = decode_part(args, device) if "decode" in args.parts else []
     quants = quant_part(args, device) if "quant" in args.parts else []
     glus = glu_part(args, device) if "glu" in args.parts else []
-    print_table(gemms, steps, losses, decodes, quants, glus)
+    adds = add_part(args, device) if "add" in args.parts else []
+    print_table(gemms, steps, losses, decodes, quants, glus, adds)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import torch
 
 from helpers import CONFIGS, check, loss_and_grads, model_for, packed_batch
 from leantune import kernels
-from leantune.engine import Engine, EngineOptions, LayerPlan
+from leantune.engine import Engine, EngineOptions, LayerPlan, detach
 from leantune.lora.base_weight import FP8Base, quantize_fp8_
 from leantune.model.loader import nf4_projections
 
@@ -77,7 +77,14 @@ PACKABLE = dict(CONFIGS["qwen3"], hidden_size=128, intermediate_size=256, num_at
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_fp8_groups_pack_when_outputs_are_whole_blocks(backend):
     """q/k/v and gate/up: one FP8 GEMM each way over the members' codes stacked (the members'
-    buffers become views of the packed ones: no copy); the loss and grads as autograd's."""
+    buffers become views of the packed ones: no copy); the loss and grads as the same fused
+    layers' with unpacked GEMMs (1e-6), and near autograd's.
+
+    (Against autograd the gradients move by a few e4m3 steps at this shape: the two paths
+    round some fp32 GEMM inputs differently in their last bits, and which values that moves
+    across a rounding boundary depends on the CPU's BLAS kernels (0.5% in norm on an AMD EPYC
+    host, none on the CI host before it). The FP8 gap to the 16-bit model is ~20% here, so a
+    1e-2 bound in norm still catches a term left out.)"""
     model = quantize_fp8_(model_for(PACKABLE))
     engine = Engine(EngineOptions())
     with kernels.backend(backend):
@@ -89,6 +96,16 @@ def test_fp8_groups_pack_when_outputs_are_whole_blocks(backend):
         assert k.fp8.data.untyped_storage().data_ptr() == base
         assert v.fp8.scale.untyped_storage().data_ptr() == q.fp8.scale.untyped_storage().data_ptr()
         if backend == "reference":  # (the interpreter's step is slow: one layer plan each)
-            check(model, PLANS, rtol=1e-4, atol=2e-4, engine=engine)
+            batch = packed_batch()
+            ref_loss, ref_grads = loss_and_grads(model, batch)
+            engine.attach(model, PLANS)
+            loss, grads = loss_and_grads(model, batch)
+            detach(model)
+            Engine(EngineOptions(pack_projections=False)).attach(model, PLANS)
+            loss_u, grads_u = loss_and_grads(model, batch)
+            torch.testing.assert_close(loss, loss_u, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(grads, grads_u, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+            assert (grads - ref_grads).norm() < 1e-2 * ref_grads.norm()
         else:
             assert (128, 384) in {key[0] for key in engine.weights.scratch.buffers}

@@ -59,7 +59,6 @@ class ProjectionGroup:
         # the LoRA term (and a residual) added by one kernel where it is not in the GEMM
         self.fuse_add = (getattr(weights.options, "fuse_lora_add", False) and self.R > 0
                          and not self.lora_in_gemm and self.R <= _LORA_ADD_MAX_RANK)
-        self._b_cat = None  # (made on first use: b_cat)
         self.bias_cat = None
         if any(b is not None for b in self.bias):
             dev = mods[0].base_device
@@ -168,17 +167,17 @@ class ProjectionGroup:
 
     def b_cat(self) -> torch.Tensor:
         """[sum out, R]: each projection's s B_i in its rows and its own R columns (zeros
-        elsewhere), so that y + xa B_cat^T adds every projection's LoRA term (lora_add_); made
-        once per layer run."""
-        if self._b_cat is None:
-            t = torch.zeros(sum(self.outs), self.R, dtype=self.a.dtype, device=self.a.device)
-            r = 0
-            for o, m, b, cols in zip(self.outs, self.mods, self.b, self.cols):
-                if b is not None:
-                    t[r:r + o, cols] = b * m.scaling
-                r += o
-            self._b_cat = t
-        return self._b_cat
+        elsewhere), so that y + xa B_cat^T adds every projection's LoRA term (lora_add_). Made
+        at each call, not held (a projection alone with s = 1: its B itself)."""
+        if len(self.mods) == 1 and self.mods[0].scaling == 1:
+            return self.b[0]
+        t = torch.zeros(sum(self.outs), self.R, dtype=self.a.dtype, device=self.a.device)
+        r = 0
+        for o, m, b, cols in zip(self.outs, self.mods, self.b, self.cols):
+            if b is not None:
+                torch.mul(b, m.scaling, out=t[r:r + o, cols])
+            r += o
+        return t
 
     def lora_x(self, X: torch.Tensor) -> torch.Tensor | None:
         """x A_cat^T [n, R] for input X (a new_input buffer or [n, in]), None without LoRA."""

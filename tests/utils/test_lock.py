@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from helpers import one_torch_thread  # noqa: F401  (autouse)
 from helpers import alpaca_file, tiny_ckpt  # noqa: F401
-from helpers import quiet, train_cfg
+from helpers import quiet, save_random_adapter, train_cfg
 
 import leantune
 from leantune.errors import LeantuneError
@@ -88,6 +88,31 @@ def test_a_second_export_into_a_held_folder_is_refused(tiny_ckpt, tmp_path):  # 
         with pytest.raises(LeantuneError, match=rf"{out}: this output folder is in use by "
                                                 rf"another leantune process \(PID {holder.pid},"):
             export_merged(tiny_ckpt, None, out)
+        assert not out.exists()
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+
+
+@pytest.mark.parametrize("fmt", ["gguf", "gguf-lora"])
+def test_a_gguf_export_into_a_held_folder_is_refused(fmt, tiny_ckpt, tmp_path):  # noqa: F811
+    """GGUF exports take the same lock as the merged export and a run: a second writer into
+    the folder (here an export held by another process) is refused before anything is
+    written."""
+    pytest.importorskip("gguf")
+    from leantune.export.gguf.writer import export_gguf, export_gguf_lora
+
+    out = tmp_path / "gguf"
+    holder = hold("lock_beside", out)
+    try:
+        with pytest.raises(LeantuneError, match=rf"{out}: this output folder is in use by "
+                                                rf"another leantune process \(PID {holder.pid},"):
+            if fmt == "gguf":
+                export_gguf(tiny_ckpt, None, out, quant="f16")
+            else:
+                adapter = tmp_path / "adapter"
+                save_random_adapter(tiny_ckpt, adapter, seed=0)
+                export_gguf_lora(tiny_ckpt, adapter, out)
         assert not out.exists()
     finally:
         holder.send_signal(signal.SIGKILL)

@@ -22,6 +22,7 @@ import torch
 from ...errors import LeantuneError
 from ...model.config import ModelConfig
 from ...utils.io import atomic_write_text, staged_dir
+from ...utils.lock import lock_beside
 from ...utils.paths import check_output_folder
 from ..merge import MergedWeights
 from ..serving import load_tokenizer
@@ -245,7 +246,8 @@ def export_gguf(model: str | os.PathLike, adapter_dir: str | os.PathLike | None,
         system=default_system_prompt(load_tokenizer(weights.src),
                                      template_style(vocab.chat_template)))
     warnings += more
-    with staged_dir(out, overwrite) as tmp:
+    # one export into `out` at a time, as the merged export (a second names its PID)
+    with lock_beside(out), staged_dir(out, overwrite) as tmp:
         _write(tmp / file_name, arch,
                lambda w: _model_metadata(w, cfg, arch, quant, model_name, vocab),
                planned, progress)
@@ -295,6 +297,6 @@ def export_gguf_lora(model: str | os.PathLike, adapter_dir: str | os.PathLike,
         w.add_float32("adapter.lora.alpha", float(weights.scaling * weights.rank))
 
     file_name = f"adapter-{quant}.gguf"
-    with staged_dir(out, overwrite) as tmp:
+    with lock_beside(out), staged_dir(out, overwrite) as tmp:
         _write(tmp / file_name, arch, metadata, planned, progress=False)
     return GGUFExport(gguf=out / file_name, types={p.name: p.qtype.name for p in planned})

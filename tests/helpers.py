@@ -448,6 +448,11 @@ def loss_and_grads(model, batch):
 BASE = dict(vocab_size=97, hidden_size=40, intermediate_size=72, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, head_dim=12, rms_norm_eps=1e-6,
             tie_word_embeddings=False)
+# Gemma 2 on the fused path without soft-capping (the GLU / LoRA-add switch tests): norms on
+# the attention and MLP outputs, GeGLU, query_pre_attn_scalar, a window
+GEMMA2_NO_SOFTCAP = dict(BASE, model_type="gemma2", query_pre_attn_scalar=20, sliding_window=5,
+                         attn_logit_softcapping=None, final_logit_softcapping=None,
+                         hidden_activation="gelu_pytorch_tanh")
 CONFIGS = {
     "llama": dict(BASE, model_type="llama"),
     "qwen2": dict(BASE, model_type="qwen2"),  # q/k/v bias

@@ -9,16 +9,14 @@ they do."""
 import pytest
 import torch
 
-from helpers import BASE, CONFIGS, check, loss_and_grads, model_for, packed_batch
+from helpers import CONFIGS, GEMMA2_NO_SOFTCAP, check, loss_and_grads, model_for, packed_batch
 from leantune import kernels
 from leantune.engine import Engine, EngineOptions, LayerPlan, detach
 from leantune.engine import projections as projections_module
 from leantune.lora.base_weight import quantize_fp8_
 
 PLANS = [LayerPlan(0), LayerPlan(1, offload=True), LayerPlan(2)]
-GEMMA2 = dict(BASE, model_type="gemma2", query_pre_attn_scalar=20, sliding_window=5,
-              attn_logit_softcapping=None, final_logit_softcapping=None,
-              hidden_activation="gelu_pytorch_tanh")
+GEMMA2 = GEMMA2_NO_SOFTCAP
 FAMILIES = {"llama": CONFIGS["llama"], "qwen2": CONFIGS["qwen2"], "qwen3": CONFIGS["qwen3"],
             "gemma2": GEMMA2}
 

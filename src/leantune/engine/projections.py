@@ -57,7 +57,7 @@ class ProjectionGroup:
         if self.lora_in_gemm:
             self.source.write_lora_columns(self.in_f, self.cols)
         # the LoRA term (and a residual) added by one kernel where it is not in the GEMM
-        self.fuse_add = (getattr(weights.options, "fuse_lora_add", False) and self.R > 0
+        self.fuse_add = (weights.options.fuse_lora_add and self.R > 0
                          and not self.lora_in_gemm and self.R <= _LORA_ADD_MAX_RANK)
         self.bias_cat = None
         if any(b is not None for b in self.bias):
@@ -196,13 +196,8 @@ class ProjectionGroup:
         bg, bu)); None where the group is not such a pair."""
         if not self.takes_glu_terms:
             return None
-        terms = []
-        for m, b, cols in zip(self.mods, self.b, self.cols):
-            t = torch.zeros(self.outs[0], self.R, dtype=self.a.dtype, device=self.a.device)
-            if b is not None:
-                t[:, cols] = b * m.scaling
-            terms.append(t)
-        return terms[0], terms[1]
+        bg, bu = self.b_cat().split(self.outs)  # (row blocks of one buffer)
+        return bg, bu
 
     # --- backward ----------------------------------------------------------------------------
     def grad_width(self) -> int:

@@ -504,6 +504,18 @@ def one_document_batch(seed=0):
     return PackedBatch.from_documents(rows)
 
 
+def engine_loss_and_grads(model, backend: str, plans, **options):
+    """loss_and_grads with a new engine's executors (EngineOptions(**options)) running `plans`,
+    under the kernel backend `backend` (the engine switch tests run each setting so)."""
+    from leantune import kernels
+    from leantune.engine import Engine, EngineOptions, detach
+
+    detach(model)
+    Engine(EngineOptions(**options)).attach(model, plans)
+    with kernels.backend(backend):
+        return loss_and_grads(model, packed_batch())
+
+
 def check(model, plans, rtol=1e-5, atol=1e-6, loss_rtol=None, options=None, engine=None,
           batch=None):
     """The loss and LoRA gradients with an engine's executors running `plans` (`engine`, or a

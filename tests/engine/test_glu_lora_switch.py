@@ -8,9 +8,9 @@ unchanged."""
 import pytest
 import torch
 
-from helpers import CONFIGS, GEMMA2_NO_SOFTCAP, check, loss_and_grads, model_for, packed_batch
+from helpers import CONFIGS, GEMMA2_NO_SOFTCAP, check, engine_loss_and_grads, model_for
 from leantune import kernels
-from leantune.engine import Engine, EngineOptions, LayerPlan, detach
+from leantune.engine import EngineOptions, LayerPlan
 from leantune.engine import executor as executor_module
 from leantune.lora.base_weight import quantize_fp8_
 
@@ -25,11 +25,8 @@ def _model(family, base):
     return quantize_fp8_(m) if base == "fp8" else m
 
 
-def _run(model, backend, **options):
-    detach(model)
-    Engine(EngineOptions(**options)).attach(model, PLANS)
-    with kernels.backend(backend):
-        return loss_and_grads(model, packed_batch())
+def _run(model, backend, plans=PLANS, **options):
+    return engine_loss_and_grads(model, backend, plans, **options)
 
 
 def _spy_glu(monkeypatch, dy=None):

@@ -9,9 +9,9 @@ they do."""
 import pytest
 import torch
 
-from helpers import CONFIGS, GEMMA2_NO_SOFTCAP, check, loss_and_grads, model_for, packed_batch
+from helpers import CONFIGS, GEMMA2_NO_SOFTCAP, check, engine_loss_and_grads, model_for
 from leantune import kernels
-from leantune.engine import Engine, EngineOptions, LayerPlan, detach
+from leantune.engine import EngineOptions, LayerPlan
 from leantune.engine import projections as projections_module
 from leantune.lora.base_weight import quantize_fp8_
 
@@ -27,10 +27,7 @@ def _model(family, base):
 
 
 def _run(model, backend, plans=PLANS, **options):
-    detach(model)
-    Engine(EngineOptions(**options)).attach(model, plans)
-    with kernels.backend(backend):
-        return loss_and_grads(model, packed_batch())
+    return engine_loss_and_grads(model, backend, plans, **options)
 
 
 def _spy(monkeypatch):

@@ -110,6 +110,45 @@ def test_moe_attention_on_and_off_agree(monkeypatch):
     torch.testing.assert_close(g_on, g_off, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("base", ["fp8", "unpacked"])
+def test_groups_with_projections_without_lora(base, monkeypatch):
+    """LoRA on q and v alone: k's rows of B_cat are zeros, o and down have none (their GEMM
+    adds the residual); on and off agree."""
+    m = model_for(FAMILIES["llama"], targets="q,v")
+    m = quantize_fp8_(m) if base == "fp8" else m
+    opts = dict(pack_projections=False) if base == "unpacked" else {}
+    calls, _ = _spy(monkeypatch)
+    loss_on, g_on = _run(m, "reference", **opts)
+    assert calls
+    loss_off, g_off = _run(m, "reference", fuse_lora_add=False, **opts)
+    torch.testing.assert_close(loss_on, loss_off, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(g_on, g_off, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("base", ["fp8", "packed"])
+def test_out_may_be_the_residual(base):
+    """project(resid=r, out=r) (the GEMM writing over the residual) adds r, as with the switch
+    off, and as the layer's own forward (16-bit: r + o(x))."""
+    from leantune.engine.projections import ProjectionGroup
+    from leantune.engine.weights import DenseWeights
+
+    o = _model("llama", base).layers[0].self_attn.o_proj
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, o.in_features, generator=g)
+    r = torch.randn(5, o.out_features, generator=g)
+    got = []
+    with torch.no_grad(), kernels.backend("reference"):
+        for fuse in (True, False):
+            group = ProjectionGroup([o], torch.float32,
+                                    DenseWeights(EngineOptions(fuse_lora_add=fuse)), pack=False)
+            buf = r.clone()
+            got.append(group.project(x, resid=buf, out=buf).clone())
+        want = r + o(x)
+    torch.testing.assert_close(got[0], got[1], rtol=1e-6, atol=1e-6)
+    if base == "packed":
+        torch.testing.assert_close(got[0], want, rtol=1e-5, atol=1e-5)
+
+
 def test_env_switch(monkeypatch):
     for raw, want in (("0", False), ("on", True)):
         monkeypatch.setenv("LEANTUNE_FUSE_LORA_ADD", raw)

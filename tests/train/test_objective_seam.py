@@ -30,8 +30,9 @@ from leantune.train.objectives import MicroLoss, SFTObjective
 from leantune.train.trainer import Trainer
 
 RECORDED = Path(__file__).with_name("sft_curve_fd9c0ae.json")
-# fd9c0ae's curves as recorded on each kind of CPU the suite has run on (the first machine's;
-# an AMD EPYC host's, whose BLAS rounds some fp32 reductions differently in the last bit)
+# fd9c0ae's curves as recorded on each kind of CPU the suite has run on (the first machine's,
+# CPU not recorded; an AMD EPYC host's, "cpu": its /proc/cpuinfo model name, whose BLAS rounds
+# some fp32 reductions differently in the last bit)
 RECORDINGS = sorted(RECORDED.parent.glob("sft_curve_fd9c0ae*.json"))
 # what a logged step records that depends only on the arithmetic (not on the clock or memory)
 CURVE_KEYS = ("step", "loss", "lr", "grad_norm", "tokens_seen", "eval_loss")
@@ -81,6 +82,17 @@ def sft_curves(model, data, root: Path) -> dict:
     return out
 
 
+def _cpu_model() -> str | None:
+    """This machine's CPU model name (/proc/cpuinfo), the key of a recording ('cpu')."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
 def _close(got: list, want: list) -> bool:
     """The same records, floats within fp32 rounding, every other field exact."""
     return len(got) == len(want) and all(
@@ -93,17 +105,19 @@ def test_sft_curve_is_bit_identical_to_the_pre_split_trainer(tiny_ckpt, alpaca_f
                                                               tmp_path):
     recordings = {p.name: json.loads(p.read_text()) for p in RECORDINGS}
     got = sft_curves(tiny_ckpt, alpaca_file, tmp_path)
+    here = [rec for rec in recordings.values() if rec.get("cpu") == _cpu_model()]
     for name in RUNS:
-        # bit-identical (records and weights) to fd9c0ae's run on a CPU whose BLAS rounds as
-        # this one's ...
-        if any(got[name] == rec[name] for rec in recordings.values()):
+        if here:  # recorded on this kind of CPU: bit-identical, records and weights
+            assert got[name] == here[0][name], f"{name}: the SFT curve moved from fd9c0ae's"
             continue
-        # ... or, on a CPU none of them was recorded on (its BLAS rounds some fp32 reductions
-        # differently in the last bit), the curve within fp32 rounding
-        assert any(_close(got[name]["records"], rec[name]["records"])
+        # elsewhere, bit-identical to a recording (a CPU whose BLAS rounds as that one's) or
+        # the curve within fp32 rounding (its BLAS rounds some fp32 reductions differently in
+        # the last bit)
+        assert any(got[name] == rec[name] or _close(got[name]["records"], rec[name]["records"])
                    for rec in recordings.values()), (
             f"{name}: the SFT curve moved from fd9c0ae's ({', '.join(recordings)}); on a new "
-            "kind of CPU, record fd9c0ae's with sft_curves into another sft_curve_fd9c0ae_*.json")
+            "kind of CPU, record fd9c0ae's with sft_curves into another "
+            "sft_curve_fd9c0ae_*.json, with its 'cpu'")
     want = recordings[RECORDED.name]
     # teeth: the runs trained (the loss moved) and evaluated
     lora = want["lora"]["records"]

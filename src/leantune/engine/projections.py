@@ -121,8 +121,12 @@ class ProjectionGroup:
         if not lora and self.lora_in_gemm:
             raise ValueError("lora=False: this group's LoRA term is inside its packed GEMM")
         # the LoRA term after the GEMM (not inside it), with the residual in the same pass
+        # (unless the GEMM writes over the residual: out is resid; then the GEMM adds it)
         fused = self.fuse_add and lora
-        gemm_resid = None if fused else resid
+        in_place = (out is not None and resid is not None and out.untyped_storage().data_ptr()
+                    == resid.untyped_storage().data_ptr())
+        gemm_resid = resid if not fused or in_place else None
+        resid = None if in_place else resid
         if self.packed:
             if X.shape[1] != self.width:
                 raise ValueError("packed group: pass new_input's buffer (after fill_lora)")
@@ -168,14 +172,15 @@ class ProjectionGroup:
     def b_cat(self) -> torch.Tensor:
         """[sum out, R]: each projection's s B_i in its rows and its own R columns (zeros
         elsewhere), so that y + xa B_cat^T adds every projection's LoRA term (lora_add_). Made
-        at each call, not held (a projection alone with s = 1: its B itself)."""
+        at each call, not held (a projection alone with s = 1: its B itself). s B is rounded to
+        the compute dtype: exact for power-of-two scalings (alpha / r), as in glu_terms."""
         if len(self.mods) == 1 and self.mods[0].scaling == 1:
-            return self.b[0]
+            return self.b[0].detach()
         t = torch.zeros(sum(self.outs), self.R, dtype=self.a.dtype, device=self.a.device)
         r = 0
         for o, m, b, cols in zip(self.outs, self.mods, self.b, self.cols):
             if b is not None:
-                torch.mul(b, m.scaling, out=t[r:r + o, cols])
+                torch.mul(b.detach(), m.scaling, out=t[r:r + o, cols])
             r += o
         return t
 

@@ -8,11 +8,12 @@ rank-r `addmm_` per projection, and a residual with another pass:
     y += resid             (read y, resid; write y)
     y += xa B^T            (read y; write y)   one per projection of the group
 
-lora_add_ does both in one pass over y, in fp32 with one rounding:
+lora_add_ does both in one pass over y, summed in fp32 with one rounding:
 
     y <- y + resid + xa B^T     y [n, N], resid [n, N] or None, xa = x A^T [n, R], B [N, R]
 
-B holds the group's s B_i side by side, each in its own R columns (zeros in the others'), so a
+B holds the group's s B_i side by side (in the compute dtype: s B rounded once, exact for the
+power-of-two scalings alpha / r), each in its own R columns (zeros in the others'), so a
 group of projections (q | k | v) is one launch. Per [BLOCK_M, BLOCK_N] tile the kernel loads xa
 [BLOCK_M, R] and B^T [R, BLOCK_N] and adds one small tl.dot: two passes' bytes fewer per output
 with a residual (read y, resid and write y once), one launch instead of one per projection.

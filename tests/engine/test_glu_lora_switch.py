@@ -15,9 +15,8 @@ from leantune.engine import executor as executor_module
 from leantune.lora.base_weight import quantize_fp8_
 
 PLANS = [LayerPlan(0), LayerPlan(1, offload=True), LayerPlan(2)]
-GEMMA2 = GEMMA2_NO_SOFTCAP
 FAMILIES = {"llama": CONFIGS["llama"], "gelu": CONFIGS["gelu"], "qwen3": CONFIGS["qwen3"],
-            "gemma2": GEMMA2}
+            "gemma2": GEMMA2_NO_SOFTCAP}
 
 
 def _model(family, base):

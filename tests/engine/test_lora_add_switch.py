@@ -16,9 +16,8 @@ from leantune.engine import projections as projections_module
 from leantune.lora.base_weight import quantize_fp8_
 
 PLANS = [LayerPlan(0), LayerPlan(1, offload=True), LayerPlan(2)]
-GEMMA2 = GEMMA2_NO_SOFTCAP
 FAMILIES = {"llama": CONFIGS["llama"], "qwen2": CONFIGS["qwen2"], "qwen3": CONFIGS["qwen3"],
-            "gemma2": GEMMA2}
+            "gemma2": GEMMA2_NO_SOFTCAP}
 
 
 def _model(family, base):

@@ -26,8 +26,13 @@
     GLU (--tokens x 14336) forward writing their output's e4m3 codes as they write it (the
     cuBLAS GEMM's input, kernels/fp8_quant.QuantizedRows) against the kernel alone and the
     kernel followed by the quantize_rows pass (LEANTUNE_FP8_FUSED_QUANT=0); codes checked equal.
-    In (b), --fused-quant on off runs each fp8 policy both ways (LEANTUNE_FP8_FUSED_QUANT), and
-    --trim on off each policy with offloaded layers trimmed of q/k/v or not (LEANTUNE_TRIM_OFFLOAD).
+    Likewise the backward kernels that write an input-gradient GEMM's input (the RMSNorm
+    backward's dx; the GLU backward's d gate | d up, with its low-rank terms as in the step),
+    EngineOptions.fuse_grad_quant.
+    In (b), --fused-quant on off runs each fp8 policy both ways (LEANTUNE_FP8_FUSED_QUANT),
+    --grad-quant on off with the input gradients' codes written by their kernels or not
+    (LEANTUNE_FUSE_GRAD_QUANT), and --trim on off each policy with offloaded layers trimmed of
+    q/k/v or not (LEANTUNE_TRIM_OFFLOAD).
 (f) gate/up's LoRA terms in the GLU kernels (--parts glu; EngineOptions.fuse_glu_lora): ms of the
     GLU forward (writing FP8 codes) and backward with the terms added in the kernel against two
     rank-16 addmm_ passes over gate | up before it (LEANTUNE_FUSE_GLU_LORA=0 in a step).
@@ -270,17 +275,21 @@ def step_part(args, device) -> list[dict]:
     batch = None
     rows = []
     # (--lora-add applies to bf16 too: its unpacked o projection takes the kernel)
-    runs = ([("bf16", p, None, t, args.glu_lora[0], la) for p in args.bf16 for t in args.trim
-             for la in args.lora_add]
-            + [("fp8", p, fq, t, gl, la) for p in args.fp8 for fq in args.fused_quant
-               for t in args.trim for gl in args.glu_lora for la in args.lora_add])
+    runs = ([("bf16", p, None, t, args.glu_lora[0], la, None) for p in args.bf16
+             for t in args.trim for la in args.lora_add]
+            + [("fp8", p, fq, t, gl, la, gq) for p in args.fp8 for fq in args.fused_quant
+               for t in args.trim for gl in args.glu_lora for la in args.lora_add
+               for gq in args.grad_quant])
     switches = {k: os.environ.get(k) for k in ("LEANTUNE_FP8_FUSED_QUANT",
                                                 "LEANTUNE_TRIM_OFFLOAD",
                                                 "LEANTUNE_FUSE_GLU_LORA",
-                                                "LEANTUNE_FUSE_LORA_ADD")}
-    for precision, policy, fused_quant, trim, glu_lora, lora_add in runs:
+                                                "LEANTUNE_FUSE_LORA_ADD",
+                                                "LEANTUNE_FUSE_GRAD_QUANT")}
+    for precision, policy, fused_quant, trim, glu_lora, lora_add, grad_quant in runs:
         if fused_quant is not None:  # (read at each GEMM: kernels/fp8_gemm.fused_quant)
             os.environ["LEANTUNE_FP8_FUSED_QUANT"] = "1" if fused_quant == "on" else "0"
+        if grad_quant is not None:  # (EngineOptions.fuse_grad_quant)
+            os.environ["LEANTUNE_FUSE_GRAD_QUANT"] = "1" if grad_quant == "on" else "0"
         # (read by the Trainer's engine options: the planner's trim_for_link, the GLU kernels'
         # LoRA terms)
         os.environ["LEANTUNE_TRIM_OFFLOAD"] = "1" if trim == "on" else "0"
@@ -293,7 +302,7 @@ def step_part(args, device) -> list[dict]:
         tokens = batch.input_ids.numel()
         row = dict(shape=shape, precision=precision, policy=policy, gemm=gemm_name(
             precision, device), fused_quant=fused_quant, trim=trim, glu_lora=glu_lora,
-            lora_add=lora_add)
+            lora_add=lora_add, grad_quant=grad_quant)
         try:
             trainer, step = trainer_step(model, batch, policy, precision, args.steps, device)
             reset_peak(device)
@@ -438,8 +447,8 @@ def quant_part(args, device) -> list[dict]:
     off), and writing the codes themselves (on; the carrier allocated in the timing, as in the
     layer); the fused codes and scales checked equal to quantize_rows'."""
     from leantune.kernels.fp8_quant import QuantizedRows, quantize_rows
-    from leantune.kernels.rmsnorm import rms_norm_fwd
-    from leantune.kernels.swiglu import ACTS, glu_fwd
+    from leantune.kernels.rmsnorm import rms_norm_bwd, rms_norm_fwd
+    from leantune.kernels.swiglu import ACTS, glu_bwd_, glu_fwd
 
     M = args.tokens
     H, inter = (128, 384) if args.tiny else (4096, 14336)  # (Llama-3.1-8B)
@@ -456,13 +465,39 @@ def quant_part(args, device) -> list[dict]:
     def glu(quant):
         glu_fwd(gu[:, :inter], gu[:, inter:], ACTS["silu"], out=h, quant=quant)
 
+    # the backward kernels (the GLU's in place: on a copy, whose time is subtracted)
+    dy, res = torch.randn_like(x), torch.randn_like(x)
+    rstd = torch.rsqrt(x.float().pow(2).mean(-1) + 1e-5)
+    dx = x.new_empty(M, H)
+    R = 32
+    lora = (torch.randn(M, R, device=device, dtype=dtype),
+            0.05 * torch.randn(inter, R, device=device, dtype=dtype),
+            0.05 * torch.randn(inter, R, device=device, dtype=dtype))
+    ga, a_down = (torch.randn(M, 16, device=device, dtype=dtype),
+                  0.05 * torch.randn(16, inter, device=device, dtype=dtype))
+    dgu, dh = gu.clone(), h.clone()
+
+    def norm_bwd(quant):  # (dx: the last result, for the codes check)
+        dx.set_(rms_norm_bwd(dy, x, w, rstd, residual=res, quant=quant))
+
+    def glu_bwd(quant):
+        dgu.copy_(gu)
+        dh.copy_(h)
+        glu_bwd_(dh, dgu[:, :inter], dgu[:, inter:], ACTS["silu"], h_out=dh, lora=lora,
+                 dy_lora=(ga, a_down), quant=quant)
+
+    copies_ms = time_ms(lambda: (dgu.copy_(gu), dh.copy_(h)), device)
     rows = []
     with kernels.backend("triton"):
-        for name, run, out in (("rmsnorm", norm, y), ("glu", glu, h)):
+        for name, run, out in (("rmsnorm", norm, y), ("glu", glu, h),
+                               ("rmsnorm_bwd", norm_bwd, dx), ("glu_bwd", glu_bwd, dgu)):
             row = dict(kernel=name, M=M, K=out.shape[1])
-            row.update(alone_ms=time_ms(lambda: run(None), device),
-                       then_quant_ms=time_ms(lambda: (run(None), quantize_rows(out)), device),
-                       fused_ms=time_ms(lambda: run(QuantizedRows.empty(out).targets), device))
+            less = copies_ms if name == "glu_bwd" else 0.0
+            row.update(alone_ms=time_ms(lambda: run(None), device) - less,
+                       then_quant_ms=time_ms(lambda: (run(None), quantize_rows(out)), device)
+                       - less,
+                       fused_ms=time_ms(lambda: run(QuantizedRows.empty(out).targets), device)
+                       - less)
             q = QuantizedRows.empty(out)
             run(q.targets)
             codes, scale_t = quantize_rows(out)
@@ -659,10 +694,10 @@ def print_table(gemms: list[dict], steps: list[dict], losses: list[dict] = (),
                   f"{'ok' if r['cublas_vs_emulation'] < 1e-2 else 'FAIL'} | "
                   f"{r['quant_ms']:.3f} / {r['transpose_ms']:.3f}")
     if quants:
-        print("\nquant  kernel   M x K          ms: alone | then quantize_rows | fused (codes "
+        print("\nquant  kernel      M x K          ms: alone | then quantize_rows | fused (codes "
               "written) | saved | codes equal")
         for r in quants:
-            print(f"       {r['kernel']:<8} {r['M']}x{r['K']:<10} {r['alone_ms']:8.3f} | "
+            print(f"       {r['kernel']:<11} {r['M']}x{r['K']:<10} {r['alone_ms']:8.3f} | "
                   f"{r['then_quant_ms']:8.3f} | {r['fused_ms']:8.3f} | {r['saved_ms']:7.3f} | "
                   f"{'yes' if r['codes_equal'] else 'NO'}")
     for r in glus:
@@ -675,11 +710,12 @@ def print_table(gemms: list[dict], steps: list[dict], losses: list[dict] = (),
               f"passes {r['passes_ms']:.3f} ms, kernel {r['kernel_ms']:.3f} ms; rel err "
               f"{r['passes_rel_err']:.1e} / {r['kernel_rel_err']:.1e}")
     if steps:
-        print("\nstep  shape         precision  gemm      policy     fused-q  trim  glu-lora  "
-              "lora-add  tok/s     peak GiB   plan")
+        print("\nstep  shape         precision  gemm      policy     fused-q  grad-q  trim  "
+              "glu-lora  lora-add  tok/s     peak GiB   plan")
         for r in steps:
             head = (f"      {r['shape']:<13} {r['precision']:<10} {r['gemm']:<9} "
-                    f"{r['policy']:<10} {r.get('fused_quant') or '-':<7}  {r.get('trim', '-'):<4}  "
+                    f"{r['policy']:<10} {r.get('fused_quant') or '-':<7}  "
+                    f"{r.get('grad_quant') or '-':<6}  {r.get('trim', '-'):<4}  "
                     f"{r.get('glu_lora', '-'):<8}  {r.get('lora_add', '-'):<8} ")
             print(head + (f"error: {r['error'][:80]}" if "error" in r else
                           f"{r['tok_s']:>8.0f}  {_f(r['peak_gib'], '{:.2f}'):>9}   "
@@ -711,6 +747,10 @@ def main():
     ap.add_argument("--lora-add", nargs="+", default=["on"], choices=["on", "off"],
                     help="step: each policy with LEANTUNE_FUSE_LORA_ADD on / off (the LoRA "
                          "term and residual added in one kernel; bf16's o projection too)")
+    ap.add_argument("--grad-quant", nargs="+", default=["on"], choices=["on", "off"],
+                    help="step: run each fp8 policy with LEANTUNE_FUSE_GRAD_QUANT on / off (the "
+                         "input gradients' codes written by the kernels that write them); "
+                         "repeat values to interleave runs")
     ap.add_argument("--trim", nargs="+", default=["on"], choices=["on", "off"],
                     help="step: run each policy with LEANTUNE_TRIM_OFFLOAD on / off (offloaded "
                          "layers without q/k/v where the host link bounds the forward)")

@@ -17,8 +17,8 @@
 #          fp8 (issue 23: FP8 GEMMs vs bf16 at the 8B projections; the 8B step bf16 vs --precision
 #          fp8; 100 steps' loss fp8 vs bf16 beside the bf16 noise floor; batch-1 decoding)
 #          (fp8-step: the GEMMs and steps; fp8-more: the loss and decoding)
-#          fp8-ratio (the 8B step bf16@17 against fp8@12, the LoRA-add kernel on and off; and the
-#          kernel against the passes it replaced)
+#          fp8-ratio (the 8B step bf16@17 against fp8@12, the input gradients' codes written by
+#          their kernels on and off; and those kernels against the passes they replace)
 #          fp8-fq (the FP8 activation quantisation fused into the norms / GLU: those kernels
 #          with and without it, and the 8B fp8 steps with LEANTUNE_FP8_FUSED_QUANT on and off)
 #          softcap (Gemma 2's soft-capped attention: Triton kernels vs the PyTorch query blocks)
@@ -91,11 +91,11 @@ for p in $parts; do
     fp8-fq)  timeout ${FP8_LIMIT:-540} python bench/gpu_fp8.py --parts quant step --bf16 \
                --fp8 auto@12 auto@17 --fused-quant on off 2>&1 | tee -a "$OUT/log.txt" \
                | grep -v "^{" | tail -n 12 ;;
-    fp8-ratio)  # issue 23's 1.3x at <= 12 GiB: lora_add alone, then bf16@17 and fp8@12 with the
-                # LoRA-add kernel on and off, interleaved in one process (~5 min on an H100)
-             timeout ${FP8_LIMIT:-480} python bench/gpu_fp8.py --parts add step --bf16 auto@17 \
-               --fp8 auto@12 --lora-add on off 2>&1 | tee -a "$OUT/log.txt" \
-               | grep -v "^{" | tail -n 12 ;;
+    fp8-ratio)  # issue 23's 1.3x at <= 12 GiB: the fused-quantisation kernels alone, then
+                # bf16@17 and fp8@12 with the gradients' codes on, off, on (~5 min on an H100)
+             timeout ${FP8_LIMIT:-480} python bench/gpu_fp8.py --parts quant step --bf16 auto@17 \
+               --fp8 auto@12 --grad-quant on off on 2>&1 | tee -a "$OUT/log.txt" \
+               | grep -v "^{" | tail -n 16 ;;
     softcap) timeout 400 python bench/gpu_softcap.py ${SOFTCAP_ARGS:-} 2>&1 | tee -a "$OUT/log.txt" \
                | grep -v "^{" | tail -n 40 ;;
     dist)    timeout 170 torchrun --nproc_per_node 1 bench/dist_speed.py --shape llama-3.1-8b \

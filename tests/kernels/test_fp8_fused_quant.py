@@ -1,9 +1,11 @@
 """FP8 activation quantisation fused into the kernels that produce the activation (issue 23):
-rms_norm_fwd and glu_fwd write their output's e4m3 codes and 1 x 128 block scales in
-quantize_rows' layout (equal to quantize_rows and to its reference bit for bit, the 16-bit
-output unchanged), and the fused layers hand them to the cuBLAS FP8 GEMMs (scaled mm emulated on
-the CPU) through kernels/fp8_quant.QuantizedRows: with LEANTUNE_FP8_FUSED_QUANT on and off the
-loss and every LoRA gradient are bit-identical, and on, fewer quantize_rows passes run."""
+rms_norm_fwd and glu_fwd (and, for the input-gradient GEMMs, rms_norm_bwd and glu_bwd_) write
+their output's e4m3 codes and 1 x 128 block scales in quantize_rows' layout (equal to
+quantize_rows and to its reference bit for bit, the 16-bit output unchanged), and the fused
+layers hand them to the cuBLAS FP8 GEMMs (scaled mm emulated on the CPU) through
+kernels/fp8_quant.QuantizedRows: with LEANTUNE_FP8_FUSED_QUANT (forward) and
+EngineOptions.fuse_grad_quant (input gradients) on and off the loss and every LoRA gradient
+are bit-identical, and on, fewer quantize_rows passes run."""
 
 import pytest
 import torch
@@ -13,8 +15,8 @@ from leantune import kernels
 from leantune.kernels import fp8_gemm as gemm
 from leantune.kernels.fp8_quant import (ROW_ALIGN, QuantizedRows, quantize_rows,
                                         quantize_rows_reference, transpose_codes_reference)
-from leantune.kernels.rmsnorm import rms_norm_fwd
-from leantune.kernels.swiglu import ACTS, glu_fwd
+from leantune.kernels.rmsnorm import rms_norm_bwd, rms_norm_fwd
+from leantune.kernels.swiglu import ACTS, glu_bwd_, glu_fwd
 
 M = 21  # rows: not a multiple of ROW_ALIGN (padded codes)
 
@@ -80,6 +82,50 @@ def test_glu_writes_the_codes_quantize_rows_would(inter, act, dtype, backend):
     _check_codes(q, h)
 
 
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H", [128, 384])
+def test_rms_norm_bwd_writes_the_codes_of_dx(H, dtype, backend):
+    """The RMSNorm backward's dx (with the residual's gradient) and its codes: dx unchanged,
+    the codes those of quantize_rows(dx)."""
+    x = _x((M, H), dtype)
+    dy, res = _x((M, H), dtype, seed=3, scale=1.0), _x((M, H), dtype, seed=4, scale=1.0)
+    w = _x((1, H), dtype, seed=1, scale=0.5)[0]
+    rstd = torch.rsqrt(x.float().pow(2).mean(-1) + 1e-6)
+    with kernels.backend(backend):
+        dx_plain = rms_norm_bwd(dy, x, w, rstd, 0.0, residual=res)
+        q = QuantizedRows.empty(dy)
+        dx = rms_norm_bwd(dy, x, w, rstd, 0.0, residual=res, quant=q.targets)
+    assert torch.equal(dx, dx_plain)
+    _check_codes(q, dx)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inter", [128, 384])
+@pytest.mark.parametrize("act,low_rank", [("silu", True), ("silu", False),
+                                          ("gelu_tanh", True)])
+def test_glu_bwd_writes_the_codes_of_d_gate_up(inter, act, low_rank, dtype, backend):
+    """The GLU backward (both kernels: with the low-rank terms and the rows kernel) writes
+    d gate | d up's codes: the gradients and the forward value h unchanged, the codes those of
+    quantize_rows over d gate | d up as stored."""
+    g = torch.Generator().manual_seed(6)
+    gu0 = _x((M, 2 * inter), dtype, seed=2)
+    dy0 = _x((M, inter), dtype, seed=5, scale=1.0)
+    lora = ((torch.randn(M, 5, generator=g).to(dtype),
+             (torch.randn(inter, 5, generator=g) * 0.1).to(dtype),
+             (torch.randn(inter, 5, generator=g) * 0.1).to(dtype)) if low_rank else None)
+    with kernels.backend(backend):
+        gu, dy = gu0.clone(), dy0.clone()
+        glu_bwd_(dy, gu[:, :inter], gu[:, inter:], ACTS[act], h_out=dy, lora=lora)
+        gu_q, dy_q = gu0.clone(), dy0.clone()
+        q = QuantizedRows.empty(gu_q)
+        glu_bwd_(dy_q, gu_q[:, :inter], gu_q[:, inter:], ACTS[act], h_out=dy_q, lora=lora,
+                 quant=q.targets)
+    assert torch.equal(gu_q, gu) and torch.equal(dy_q, dy)
+    _check_codes(q, gu_q)
+
+
 def test_wrong_quant_buffers_are_one_clear_error():
     x = torch.randn(M, 128)
     q = QuantizedRows.empty(x)
@@ -87,6 +133,14 @@ def test_wrong_quant_buffers_are_one_clear_error():
         rms_norm_fwd(x, torch.ones(128), 1e-6, quant=(q.codes, q.scale_t))  # padded rows
     with pytest.raises(ValueError, match="glu_fwd: quant must be"):
         glu_fwd(x, x, ACTS["silu"], quant=(q.targets[0], q.targets[1].t()))
+    with pytest.raises(ValueError, match="rms_norm_bwd: quant must be"):
+        rms_norm_bwd(x, x, torch.ones(128), torch.ones(M), quant=(q.codes, q.scale_t))
+    with pytest.raises(ValueError, match=r"glu_bwd_: quant must be .*\[21, 256\]"):
+        glu_bwd_(x, x, x.clone(), ACTS["silu"], quant=q.targets)  # d gate's alone
+    odd = torch.randn(M, 2 * 136)
+    with pytest.raises(ValueError, match="glu_bwd_: quant needs whole 1 x 128 blocks"):
+        glu_bwd_(odd[:, :136], odd[:, :136], odd[:, 136:], ACTS["silu"],
+                 quant=QuantizedRows.empty(odd).targets)
 
 
 def test_row_slices_of_the_carrier():
@@ -163,16 +217,14 @@ def _loss_and_lora_grads(model, batch):
     return loss.detach(), torch.autograd.grad(loss, params), outs
 
 
-@pytest.mark.parametrize("family,chunk_rows", [("llama", None), ("gelu", 11)])
-def test_fused_layers_bit_identical_with_fused_quant_on_and_off(family, chunk_rows,
-                                                                monkeypatch):
+def _engine_runs(monkeypatch, family: str, settings: dict) -> dict:
     """Every FP8 GEMM through cublas_gemm (scaled mm emulated), the norm / GLU / quantisation
-    kernels in the interpreter; a layer recomputing everything and one keeping its attention
-    state (MLP recomputed); `chunk_rows`: MLP row chunks (the first a row slice of the norm's
-    codes, the second unaligned: quantised by the GEMM)."""
+    kernels in the interpreter, a layer recomputing everything below one keeping its
+    attention state (MLP recomputed), for each of `settings` (name -> (EngineOptions, env)):
+    name -> ((loss, LoRA gradients, layer outputs), quantize_rows passes, carriers handed to
+    forward GEMMs, carriers handed to input-gradient GEMMs)."""
     import leantune.engine.weights as weights
     import leantune.lora.base_weight as base_weight
-    from helpers import chunk_options
     from leantune.engine import Engine, LayerPlan, detach
     from leantune.lora.base_weight import quantize_fp8_
 
@@ -184,7 +236,7 @@ def test_fused_layers_bit_identical_with_fused_quant_on_and_off(family, chunk_ro
         return real_quantize_rows(x, *a, **k)
 
     def via_cublas(x, w, transpose=False, out=None, resid=None, scratch=None):
-        handed.append(isinstance(x, QuantizedRows))
+        handed.append((isinstance(x, QuantizedRows), transpose))
         return gemm.cublas_gemm(x, w, transpose=transpose, out=out, resid=resid,
                                 scratch=scratch, scaled_mm=gemm.emulate_scaled_mm)
 
@@ -196,29 +248,80 @@ def test_fused_layers_bit_identical_with_fused_quant_on_and_off(family, chunk_ro
     monkeypatch.setattr(weights, "fp8_mm", via_cublas)
     monkeypatch.setattr(base_weight, "fp8_mm", via_cublas)
     batch = _batch()
-    opts = chunk_options(chunk_rows, intermediate=384) if chunk_rows else None
     results = {}
     with kernels.backend("triton"):
         model = quantize_fp8_(model_for(dict(SHAPE, hidden_act=CONFIGS[family].get(
             "hidden_act", "silu"))))
-        for on in ("1", "0"):
-            monkeypatch.setenv("LEANTUNE_FP8_FUSED_QUANT", on)
+        for name, (opts, env) in settings.items():
+            for k, v in env.items():
+                monkeypatch.setenv(k, v)
             passes.clear()
             handed.clear()
             Engine(opts).attach(model, [LayerPlan(0), LayerPlan(1)])
-            results[on] = (_loss_and_lora_grads(model, batch), len(passes), sum(handed))
+            results[name] = (_loss_and_lora_grads(model, batch), len(passes),
+                             sum(q for q, t in handed if not t), sum(q for q, t in handed if t))
             detach(model)
-    (loss_on, grads_on, outs_on), passes_on, handed_on = results["1"]
-    (loss_off, grads_off, outs_off), passes_off, handed_off = results["0"]
-    assert torch.equal(loss_on, loss_off) and len(outs_on) == 2
-    assert all(torch.equal(a, b) for a, b in zip(outs_on, outs_off))
-    assert len(grads_on) == 7 * 2 * 2  # A and B of 7 projections, 2 layers
-    assert all(torch.equal(a, b) for a, b in zip(grads_on, grads_off))
+    return results
+
+
+def _assert_bit_identical(a, b) -> None:
+    (loss_a, grads_a, outs_a), (loss_b, grads_b, outs_b) = a, b
+    assert torch.equal(loss_a, loss_b) and len(outs_a) == 2
+    assert all(torch.equal(x, y) for x, y in zip(outs_a, outs_b))
+    assert len(grads_a) == 7 * 2 * 2  # A and B of 7 projections, 2 layers
+    assert all(torch.equal(x, y) for x, y in zip(grads_a, grads_b))
+
+
+@pytest.mark.parametrize("family,chunk_rows", [("llama", None), ("gelu", 11)])
+def test_fused_layers_bit_identical_with_fused_quant_on_and_off(family, chunk_rows,
+                                                                monkeypatch):
+    """The forward GEMMs' carriers (LEANTUNE_FP8_FUSED_QUANT); `chunk_rows`: MLP row chunks
+    (the first a row slice of the norm's codes, the second unaligned: quantised by the
+    GEMM)."""
+    from helpers import chunk_options
+    from leantune.engine import EngineOptions
+
+    # (the input gradients' codes off: test_fused_grad_quant_bit_identical_on_and_off's)
+    opts = (chunk_options(chunk_rows, intermediate=384, fuse_grad_quant=False) if chunk_rows
+            else EngineOptions(fuse_grad_quant=False))
+    runs = _engine_runs(monkeypatch, family, {
+        on: (opts, {"LEANTUNE_FP8_FUSED_QUANT": on}) for on in ("1", "0")})
+    result_on, passes_on, handed_on, grads_on = runs["1"]
+    result_off, passes_off, handed_off, grads_off = runs["0"]
+    _assert_bit_identical(result_on, result_off)
+    assert grads_on == grads_off == 0
     assert handed_off == 0 and handed_on > 0 and passes_on == passes_off - handed_on
     # per layer q/k/v, gate/up and down in forward; recomputed in backward the first layer's
     # q/k/v and gate/up, the second's gate/up (chunked: their first chunks; the second chunks,
     # unaligned, quantised by the GEMM)
     assert handed_on == 3 * 2 + 2 + 1
+
+
+@pytest.mark.parametrize("family,chunk_rows", [("llama", None), ("gelu", 11)])
+def test_fused_grad_quant_bit_identical_on_and_off(family, chunk_rows, monkeypatch):
+    """The input-gradient GEMMs' carriers (EngineOptions.fuse_grad_quant; the kernels writing
+    d gate | d up, d h_mid and the layer's input gradient, the last handed to the layer
+    below): loss and LoRA gradients bit-identical on and off, and on, those GEMMs quantise
+    nothing of their own. `chunk_rows` as above (the second chunk unaligned: its d out's codes
+    not sliced, quantised by the GEMM)."""
+    from helpers import chunk_options
+    from leantune.engine import EngineOptions
+
+    def opts(on):
+        return (chunk_options(chunk_rows, intermediate=384, fuse_grad_quant=on) if chunk_rows
+                else EngineOptions(fuse_grad_quant=on))
+
+    runs = _engine_runs(monkeypatch, family, {on: (opts(on), {}) for on in (True, False)})
+    result_on, passes_on, fwd_on, grads_on = runs[True]
+    result_off, passes_off, fwd_off, grads_off = runs[False]
+    _assert_bit_identical(result_on, result_off)
+    assert fwd_on == fwd_off > 0 and grads_off == 0
+    assert passes_on == passes_off - grads_on
+    # per layer d gate | d up (a carrier each chunk) and d h_mid (o); the top layer's input
+    # gradient for the bottom layer's down (the top layer's d out comes from the final norm's
+    # autograd backward: quantised by the GEMM); chunked, the second chunk's d out unaligned
+    chunks = 2 if chunk_rows else 1
+    assert grads_on == 2 * chunks + 2 + 1
 
 
 def test_switch_off_and_other_paths_hand_over_nothing(monkeypatch):

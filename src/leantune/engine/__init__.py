@@ -18,6 +18,7 @@ from .activation_store import ActivationStore
 from .attention import AttentionBackend
 from .executor import (CheckpointExecutor, FusedExecutor, Keep, LayerPlan, fused_unsupported,
                        has_expert_lora, lora_ranks)
+from .grad_handoff import GradHandoff
 from .options import EngineOptions
 from .weights import DenseWeights, pack_layer
 
@@ -31,6 +32,7 @@ class Engine:
         self.store = ActivationStore()
         self.weights = DenseWeights(self.options)
         self.attention = AttentionBackend(self.options)
+        self.handoff = GradHandoff()  # a layer's input-gradient codes for the layer below
 
     def fused_unsupported(self, model) -> str | None:
         """Why the model's layers can't take the fused path (None if they can)."""
@@ -49,7 +51,8 @@ class Engine:
         if plan is None:
             return None
         if self.options.fused_layers and fused_unsupported(layer) is None:
-            return FusedExecutor(plan, self.store, self.weights, self.attention, self.options)
+            return FusedExecutor(plan, self.store, self.weights, self.attention, self.options,
+                                 self.handoff)
         return CheckpointExecutor(plan) if plan.keep < Keep.ALL else None
 
     def attach(self, model, plans: list) -> None:

@@ -32,7 +32,11 @@ backward is done with them (gate/up after the MLP), not when the layer ends.
 On an FP8 base whose GEMMs run on cuBLAS, the norms before q/k/v and gate/up and the GLU
 before down write their output's e4m3 codes as they write it, in forward and in recompute
 (`_normed`, `_down_input`; ProjectionGroup.quantized_input), so those GEMMs run no quantisation
-pass of their own (LEANTUNE_FP8_FUSED_QUANT=0: they do; the results are bit-identical). Where
+pass of their own (LEANTUNE_FP8_FUSED_QUANT=0: they do; the results are bit-identical). In
+backward likewise the kernels that write the input-gradient GEMMs' inputs: the GLU backward d
+gate | d up for gate/up, the RMSNorm backwards d h_mid for o and the layer's input gradient for
+the down projection of the layer below (engine/grad_handoff.py; ProjectionGroup.quantized_grad,
+EngineOptions.fuse_grad_quant; bit-identical too). Where
 gate/up's LoRA is not inside their GEMM (FP8, unpacked), the GLU kernels add its low-rank terms,
 and the GLU backward the down projection's dX term (`_gate_up`, EngineOptions.fuse_glu_lora): a
 kept gate | up is then the GEMM's output without them.
@@ -57,6 +61,7 @@ from ..model.attention import AttentionMeta
 from ..model.moe import MoEBlock
 from .activation_store import ActivationStore
 from .attention import AttentionBackend
+from .grad_handoff import GradHandoff
 from .options import EngineOptions
 from .projections import ProjectionGroup
 from .weights import DenseWeights, layer_groups
@@ -226,9 +231,11 @@ class FusedExecutor:
     kind = "fused"
 
     def __init__(self, plan: LayerPlan, store: ActivationStore, weights: DenseWeights,
-                 attention: AttentionBackend, options: EngineOptions):
+                 attention: AttentionBackend, options: EngineOptions,
+                 handoff: GradHandoff | None = None):
         self.plan, self.store, self.weights = plan, store, weights
         self.attention, self.options = attention, options
+        self.handoff = handoff if handoff is not None else GradHandoff()
 
     def __call__(self, layer, x, cos, sin, meta: AttentionMeta) -> torch.Tensor:
         if isinstance(layer.mlp, MoEBlock):
@@ -258,21 +265,26 @@ class FusedExecutor:
 
     @staticmethod
     def mlp_chunk_bytes(cfg, tokens: int, options: EngineOptions, itemsize: int = 2,
-                        forward: bool = False, expert_lora: bool = False) -> int:
+                        forward: bool = False, expert_lora: bool = False,
+                        grad_codes: bool = False) -> int:
         """The MLP row chunk's working bytes: in backward gate | up and the down projection's
-        input gradient, in forward gate | up and the down projection's input (chunks
-        mlp_forward_chunk_factor times larger). A MoE layer's block runs whole: its working set
-        (engine/moe_layer.py; `expert_lora`: with LoRA on the experts), or a dense layer's
-        chunk where larger."""
+        input gradient (with `grad_codes`, an FP8 base's fuse_grad_quant: also d gate | d up's
+        e4m3 codes, one byte a value), in forward gate | up and the down projection's input
+        (chunks mlp_forward_chunk_factor times larger). A MoE layer's block runs whole: its
+        working set (engine/moe_layer.py; `expert_lora`: with LoRA on the experts), or a dense
+        layer's chunk where larger."""
         if cfg.moe is not None:
             from .moe_layer import moe_working_bytes
 
-            dense = FusedExecutor.mlp_chunk_bytes(replace(cfg, moe=None), tokens, options,
-                                                  itemsize, forward) if cfg.moe.dense_layers else 0
+            dense = FusedExecutor.mlp_chunk_bytes(
+                replace(cfg, moe=None), tokens, options, itemsize, forward,
+                grad_codes=grad_codes) if cfg.moe.dense_layers else 0
             return max(dense, moe_working_bytes(cfg, tokens, itemsize, expert_lora))
         one = tokens * cfg.intermediate_size * itemsize  # one [tokens, intermediate] tensor
         limit = options.mlp_chunk_bytes * (options.mlp_forward_chunk_factor if forward else 1)
-        return 3 * min(one, int(limit))
+        chunk = min(one, int(limit))
+        codes = 2 * chunk // itemsize if grad_codes and not forward else 0  # [rows, 2 I] e4m3
+        return 3 * chunk + codes
 
     @staticmethod
     def qk_norm_bytes(cfg, tokens: int, itemsize: int = 2) -> int:
@@ -461,6 +473,7 @@ class _LayerRun:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, H = x.shape
         x2 = x.reshape(B * T, H)
+        self.ex.handoff.clear()  # (a gradient's codes left from an earlier backward)
         self._groups(x.dtype)
         keep = self.plan.keep
         X1, _, qkv, qkv4, out4, state = self._attention(x2, x.shape)
@@ -543,6 +556,8 @@ class _LayerRun:
         store.prefetch(self.handle.prev)  # load the layer below while this one runs
         grads: dict = {}
         dout = dout.reshape(N, H)
+        # the codes of dout, where the layer above wrote them (its input gradient's norm)
+        doutq = self.ex.handoff.take(dout)
         x2 = kept.x
         keep = self.plan.keep
         at = self.layer.self_attn
@@ -566,15 +581,15 @@ class _LayerRun:
             q4, k4, v4 = self._rotated(qkv, self.shape, in_place=again)
             out4 = kept.attn.view(q4.shape)
             kept.attn = None
-        dh_mid = self._mlp_backward(h_mid, dout, kept, grads)
-        del h_mid
+        dh_mid, doq = self._mlp_backward(h_mid, dout, kept, grads, doutq)
+        del h_mid, doutq
 
         # attention: h_mid = x + o(attn(rope(qk_norm(q, k)), v))
         do = dh_mid
         if self.layer.norm("attn_out") is not None:  # through the attention-out norm
             do = self._through_out_norm("attn_out", self.o.project(out4.reshape(N, -1)), do)
-        dattn = self.o.backward(out4.reshape(N, -1), [do], grads)
-        del do
+        dattn = self.o.backward(out4.reshape(N, -1), [do], grads, dyq=doq)
+        del do, doq
         # (with attention sinks, frozen, their gradient comes fourth and is dropped)
         dq, dk, dv = self.ex.attention.backward(dattn.view(out4.shape), q4, k4, v4, out4, state,
                                                 self.meta, at.window, at.scale,
@@ -600,18 +615,25 @@ class _LayerRun:
         dx = None
         if need_dx:  # not for the first layer: its input is the (frozen) embedding
             norm = self.layer.norm("attn_in")
-            dx = rms_norm_bwd(dxn1, x2, norm.weight, rstd1, norm.offset,
-                              residual=dh_mid).view(B, T, H)
+            # its codes for the down projection of the layer below (as this layer's down)
+            dxq = (self.down.quantized_grad(dh_mid) if self.layer.norm("mlp_out") is None
+                   else None)
+            dx = rms_norm_bwd(dxn1, x2, norm.weight, rstd1, norm.offset, residual=dh_mid,
+                              quant=None if dxq is None else dxq.targets)
+            if dxq is not None:
+                self.ex.handoff.give(dx, dxq.of(dx))
+            dx = dx.view(B, T, H)
         store.release(self.handle)
         self.handle = None
         self._drop_groups()
         return dx, grads
 
     def _mlp_backward(self, h_mid: torch.Tensor, dout: torch.Tensor, kept: Kept,
-                      grads: dict) -> torch.Tensor:
-        """The MLP's backward: dout [N, H] (the layer output's gradient) -> d h_mid [N, H]
-        (through the MLP and its residual), LoRA gradients into `grads`. Takes the MLP's fields
-        out of `kept` as it uses them."""
+                      grads: dict, doutq=None):
+        """The MLP's backward: dout [N, H] (the layer output's gradient; doutq: its codes, or
+        None) -> (d h_mid [N, H] (through the MLP and its residual), its codes for the o
+        projection's input-gradient GEMM or None), LoRA gradients into `grads`. Takes the MLP's
+        fields out of `kept` as it uses them."""
         N, H = dout.shape
         inter = self.layer.mlp.up_proj.out_features
         keep = self.plan.keep
@@ -628,24 +650,35 @@ class _LayerRun:
                 gu, lora = self._gate_up(X2[rows], self._rows(xq2, rows))
             kept_gu = None
             ddown = dout[rows]  # the down projection's output gradient
+            ddq = self._rows(doutq, rows)
             if self.layer.norm("mlp_out") is not None:  # through the MLP-out norm
                 ddown = self._through_out_norm("mlp_out", self._down_out(gu, lora), ddown)
+                ddq = None
             # (fuse_dx: da without its LoRA term ga A, which the GLU kernel adds)
-            da, ga = self.down.input_grad(ddown, add_ga=not self.fuse_dx)
+            da, ga = self.down.input_grad(ddown, add_ga=not self.fuse_dx, dyq=ddq)
+            del ddq
+            # d gate | d up's codes, where the GLU backward can write them (whole 1 x 128
+            # blocks each side) and the gate/up GEMM reads codes
+            guq = self.gu.quantized_grad(gu) if inter % 128 == 0 else None
             # gate, up <- d gate, d up in place; da <- act(gate) * up, the down projection's input
             glu_bwd_(da, gu[:, :inter], gu[:, inter:], self.act, h_out=da, lora=lora,
-                     dy_lora=(ga, self.down.a) if self.fuse_dx else None)
+                     dy_lora=(ga, self.down.a) if self.fuse_dx else None,
+                     quant=None if guq is None else guq.targets)
             self.down.lora_grads(da, ddown, ga, grads,
                                  None if xa_down is None else xa_down[rows])
             del ddown
             del da, ga
             self.gu.backward(X2[rows], gu, grads, out=dxn2[rows],
-                             xa=None if lora is None else lora[0])
-            del gu, lora
+                             xa=None if lora is None else lora[0], dyq=guq)
+            del gu, lora, guq
         del xq2
         dxn2 = dxn2[:, :H]
         post = self.layer.norm("mlp_in")
-        return rms_norm_bwd(dxn2, h_mid, post.weight, rstd2, post.offset, residual=dout)
+        # d h_mid's codes for the o projection's input-gradient GEMM (not through a norm)
+        dhq = self.o.quantized_grad(dout) if self.layer.norm("attn_out") is None else None
+        dh = rms_norm_bwd(dxn2, h_mid, post.weight, rstd2, post.offset, residual=dout,
+                          quant=None if dhq is None else dhq.targets)
+        return dh, None if dhq is None else dhq.of(dh)
 
 
 class _FusedLayerFunction(torch.autograd.Function):

@@ -50,7 +50,11 @@ class EngineOptions:
         the [tokens, 2 x intermediate] outputs that add them.
     fuse_lora_add: where a projection's LoRA term is not inside its GEMM (an FP8 base, the
         unpacked o projection), one kernel adds it and the residual to the GEMM's output
-        (kernels/lora_add.py) instead of a residual pass and one addmm_ per projection."""
+        (kernels/lora_add.py) instead of a residual pass and one addmm_ per projection.
+    fuse_grad_quant: where an FP8 base's input-gradient GEMM runs on cuBLAS (which reads e4m3
+        codes), the kernels that write its output gradient (the GLU backward for gate/up, the
+        RMSNorm backward for o and the layer below's down) write the codes too, instead of a
+        quantisation pass of the GEMM's own over the gradient."""
 
     kernels: str = "auto"
     fused_layers: bool = True
@@ -64,6 +68,7 @@ class EngineOptions:
     trim_offload: bool = True
     fuse_glu_lora: bool = True
     fuse_lora_add: bool = True
+    fuse_grad_quant: bool = True
 
     def __post_init__(self):
         if self.kernels not in KERNELS:

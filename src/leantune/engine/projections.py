@@ -59,6 +59,7 @@ class ProjectionGroup:
         # the LoRA term (and a residual) added by one kernel where it is not in the GEMM
         self.fuse_add = (weights.options.fuse_lora_add and self.R > 0
                          and not self.lora_in_gemm and self.R <= _LORA_ADD_MAX_RANK)
+        self.fuse_grad_quant = weights.options.fuse_grad_quant
         self.bias_cat = None
         if any(b is not None for b in self.bias):
             dev = mods[0].base_device
@@ -205,6 +206,15 @@ class ProjectionGroup:
         return bg, bu
 
     # --- backward ----------------------------------------------------------------------------
+    def quantized_grad(self, dy: torch.Tensor):
+        """Buffers for the e4m3 codes of an output gradient dy [n, sum out] (one tensor) where
+        this group's input-gradient GEMM would quantise dy itself (an FP8 base on the cuBLAS
+        path: WeightSource.quantized_grad; EngineOptions.fuse_grad_quant), for the kernel that
+        writes dy to fill as it does (then pass it to input_grad / backward as `dyq`); else
+        None. dy may be a template of the gradient's shape: QuantizedRows.of hands the
+        buffers to the tensor written."""
+        return self.source.quantized_grad(dy) if self.fuse_grad_quant else None
+
     def grad_width(self) -> int:
         """Columns of the buffer input_grad writes dx into for one [n, sum out] gradient: the
         packed width where one GEMM over the whole packed weight gives dx and ga together (see
@@ -212,11 +222,12 @@ class ProjectionGroup:
         return self.width if self.has_lora_cols else self.in_f
 
     def input_grad(self, dys, out: torch.Tensor | None = None, need_dx: bool = True,
-                   add_ga: bool = True):
+                   add_ga: bool = True, dyq=None):
         """dys: [n, sum out] or per-projection list -> (dx [n, in] = sum_i dy_i W_i + ga A_cat
         (into `out`, [n, grad_width()] for one tensor dys; None without need_dx), ga [n, R] =
         s dy_i B_i side by side, or None). add_ga=False: dx without ga A_cat, which the caller
-        adds where it reads dx (glu_bwd_'s dy_lora).
+        adds where it reads dx (glu_bwd_'s dy_lora). dyq: dys' quantized_grad, filled by the
+        kernel that wrote dys (the GEMM reads its codes), or None.
 
         Packed with LoRA columns, dy @ [W | s B] = [dy W | s dy B] is dx and ga from one GEMM
         (K = sum out): ga needs no pass of its own over dy. dx and ga are then column views
@@ -242,9 +253,10 @@ class ProjectionGroup:
         if need_dx:
             if self.packed and not isinstance(dys, (list, tuple)):
                 # one GEMM, K = sum out
-                dx = self.source.mm_t_packed(dys, self.in_f, out=out)
+                dx = self.source.mm_t_packed(dys if dyq is None else dyq, self.in_f, out=out)
             else:
-                dx = self.source.mm_t(0, parts[0], out=out)
+                one = dyq if dyq is not None and len(self.mods) == 1 else parts[0]
+                dx = self.source.mm_t(0, one, out=out)
                 for i, dy in enumerate(parts[1:], 1):
                     self.source.mm_t(i, dy, out=dx, accumulate=True)
             if ga is not None and add_ga:
@@ -268,11 +280,12 @@ class ProjectionGroup:
                 _accumulate(grads, m.lora_A.weight, ga_x[cols], 1.0)
 
     def backward(self, X: torch.Tensor, dys, grads: dict, out: torch.Tensor | None = None,
-                 need_dx: bool = True, xa: torch.Tensor | None = None) -> torch.Tensor | None:
+                 need_dx: bool = True, xa: torch.Tensor | None = None,
+                 dyq=None) -> torch.Tensor | None:
         """Input gradient (into `out`, [n, grad_width()] for one tensor dys; None without
         need_dx) and LoRA grads for input X (a new_input buffer after fill_lora, or [n, in];
-        xa: its x A_cat^T where the caller has it)."""
-        dx, ga = self.input_grad(dys, out, need_dx)
+        xa: its x A_cat^T where the caller has it; dyq: as input_grad's)."""
+        dx, ga = self.input_grad(dys, out, need_dx, dyq=dyq)
         if xa is None and self.R and X.shape[1] > self.in_f:
             xa = X[:, self.in_f:self.in_f + self.R]
         self.lora_grads(X[:, :self.in_f], dys, ga, grads, xa)

@@ -103,6 +103,11 @@ class WeightSource:
         None here (16-bit GEMMs read x as it is)."""
         return None
 
+    def quantized_grad(self, dy: torch.Tensor) -> QuantizedRows | None:
+        """As quantized_input, for the input-gradient GEMM's dy [n, sum out] (the packed GEMM,
+        or a group of one projection): None here."""
+        return None
+
     def mm(self, i: int, x: torch.Tensor, out: torch.Tensor | None = None,
            resid: torch.Tensor | None = None) -> torch.Tensor:
         """resid + x W_i^T for projection i alone (the unpacked GEMMs), into `out`."""
@@ -111,7 +116,7 @@ class WeightSource:
     def mm_t(self, i: int, dy: torch.Tensor, out: torch.Tensor | None = None,
              accumulate: bool = False) -> torch.Tensor:
         """dy W_i for projection i alone, into `out` (added to it with `accumulate`)."""
-        return DenseBase(self.dense(i)).mm_t(dy, out=out, accumulate=accumulate)
+        return DenseBase(self.dense(i)).mm_t(plain(dy), out=out, accumulate=accumulate)
 
 
 class ScratchPool:
@@ -202,11 +207,21 @@ class FP8Source(WeightSource):
               else [m.fp8 for m in self.mods if m.fp8 is not None])
         return QuantizedRows.empty(x) if any(takes_quantized(x, w) for w in ws) else None
 
+    def quantized_grad(self, dy):
+        """(WeightSource.quantized_grad) where the packed input-gradient GEMM, or the one
+        member's, takes dy pre-quantised (kernels/fp8.takes_quantized, transposed)."""
+        w = self.packed if self.packed is not None else (
+            self.mods[0].fp8 if len(self.mods) == 1 else None)
+        if w is None or not takes_quantized(dy, w, transpose=True, switch=True):
+            return None
+        return QuantizedRows.empty(dy)
+
     def mm_packed(self, X, out=None, resid=None):
         """(X: the input, or its QuantizedRows)"""
         return fp8_mm(X, self.packed, out=out, resid=resid)
 
     def mm_t_packed(self, dy, in_f, out=None):
+        """(dy: the output gradient, or its QuantizedRows)"""
         return fp8_mm(dy, self.packed, transpose=True, out=out,
                       scratch=fp8_dx_scratch(self.pool, self.packed.shape, self.packed.device))
 
@@ -219,9 +234,10 @@ class FP8Source(WeightSource):
         return base.mm(x if base.kind == "fp8" else plain(x), out=out, resid=resid)
 
     def mm_t(self, i, dy, out=None, accumulate=False):
+        """(dy: the output gradient, or its QuantizedRows, which only FP8 bases read)"""
         base = self.mods[i].base
         if base.kind != "fp8":
-            return base.mm_t(dy, out=out, accumulate=accumulate)
+            return base.mm_t(plain(dy), out=out, accumulate=accumulate)
         return base.mm_t(dy, out=out, accumulate=accumulate,
                          scratch=fp8_dx_scratch(self.pool, base.shape, base.device))
 

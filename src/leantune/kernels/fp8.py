@@ -238,11 +238,13 @@ def fp8_mm(x: torch.Tensor, w: FP8Weight, transpose: bool = False,
     return y if out is None else out.copy_(y)
 
 
-def takes_quantized(x: torch.Tensor, w) -> bool:
-    """Whether fp8_mm(x, w)'s forward would quantise x by a pass of its own that the kernel
+def takes_quantized(x: torch.Tensor, w, transpose: bool = False,
+                    switch: bool | None = None) -> bool:
+    """Whether fp8_mm(x, w, transpose) would quantise x by a pass of its own that the kernel
     producing x could do instead (it then passes a kernels/fp8_quant.QuantizedRows): the
     Triton kernels run, not emulated, not the GEMV, and the GEMM on the cuBLAS path with
-    fused quantisation on (kernels/fp8_gemm.takes_quantized; LEANTUNE_FP8_FUSED_QUANT)."""
+    fused quantisation on (kernels/fp8_gemm.takes_quantized: `switch`, by default
+    LEANTUNE_FP8_FUSED_QUANT's; the engine passes its own for input gradients, transpose)."""
     from .dispatch import use_triton
 
     if not use_triton(x) or emulating():
@@ -250,7 +252,8 @@ def takes_quantized(x: torch.Tensor, w) -> bool:
     from .fp8_gemm import takes_quantized as cublas_takes
     from .fp8_gemv import gemv_applies
 
-    return not gemv_applies(x) and cublas_takes(x, w.shape[0], w.shape[1])
+    N, K = (w.shape[1], w.shape[0]) if transpose else (w.shape[0], w.shape[1])
+    return (transpose or not gemv_applies(x)) and cublas_takes(x, N, K, switch)
 
 
 __all__ = ["BLOCK", "FP8View", "FP8Weight", "FP8_DTYPE", "FP8_MAX", "block_dequantize", "block_quantize", "block_scales",

@@ -549,11 +549,13 @@ def fused_quant() -> bool:
     return os.environ.get("LEANTUNE_FP8_FUSED_QUANT", "1") != "0"
 
 
-def takes_quantized(x: torch.Tensor, N: int, K: int) -> bool:
-    """Whether the forward GEMM of x [M, K] to N columns should be handed x pre-quantised (a
-    QuantizedRows): fused quantisation on and the GEMM on the cuBLAS path (uses_cublas),
-    where it would otherwise run quantize_rows over x."""
-    return fused_quant() and x.shape[1] == K and uses_cublas(x, x.shape[0], N, K)
+def takes_quantized(x: torch.Tensor, N: int, K: int, switch: bool | None = None) -> bool:
+    """Whether the GEMM of x [M, K] to N columns should be handed x pre-quantised (a
+    QuantizedRows): its switch on (`switch`; by default fused_quant(), the forward inputs')
+    and the GEMM on the cuBLAS path (uses_cublas), where it would otherwise run quantize_rows
+    over x."""
+    on = fused_quant() if switch is None else switch
+    return on and x.shape[1] == K and uses_cublas(x, x.shape[0], N, K)
 
 
 def cublas_gemm(x: torch.Tensor, w: FP8Weight, transpose: bool = False,

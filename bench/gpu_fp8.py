@@ -506,6 +506,24 @@ def quant_part(args, device) -> list[dict]:
             row["saved_ms"] = row["then_quant_ms"] - row["fused_ms"]
             record("fp8_fused_quant", **row)
             rows.append(row)
+        # the GLU backward's tiles with and without the codes (--glu-tiles; LORA_TILES["bwd"])
+        import importlib
+
+        swiglu = importlib.import_module("leantune.kernels.swiglu")
+        default = dict(swiglu.LORA_TILES)
+        for tile in args.glu_tiles:
+            bm, bn, warps = (int(v) for v in tile.split("x"))
+            swiglu.LORA_TILES = dict(default, bwd=(bm, bn, warps))
+            row = dict(kernel=f"glu_bwd@{tile}", M=M, K=dgu.shape[1],
+                       alone_ms=time_ms(lambda: glu_bwd(None), device) - copies_ms,
+                       fused_ms=time_ms(lambda: glu_bwd(QuantizedRows.empty(dgu).targets),
+                                        device) - copies_ms)
+            row.update(then_quant_ms=row["alone_ms"] + rows[-1]["then_quant_ms"]
+                       - rows[-1]["alone_ms"], codes_equal=rows[-1]["codes_equal"])
+            row["saved_ms"] = row["then_quant_ms"] - row["fused_ms"]
+            record("fp8_fused_quant", **row)
+            rows.append(row)
+        swiglu.LORA_TILES = default
     return rows
 
 

@@ -61,7 +61,9 @@ def test_fp8_refusals_are_one_line(tiny_ckpt, alpaca_file, tmp_path, capsys, mon
     monkeypatch.delenv("LEANTUNE_FP8_EMULATE", raising=False)
     base = ["train", "--model", tiny_ckpt, "--data", alpaca_file, "--max-steps", "1",
             "--precision", "fp8", "--device", "cpu"]
-    msg = cli_error(capsys, *base, "--output", tmp_path / "a")
+    with monkeypatch.context() as m:  # refused before the data is read
+        m.setattr(Trainer, "_setup_data", lambda *a: pytest.fail("the data was read first"))
+        msg = cli_error(capsys, *base, "--output", tmp_path / "a")
     assert "no FP8 matrix units" in msg and "LEANTUNE_FP8_EMULATE=1" in msg
     msg = cli_error(capsys, *base, "--output", tmp_path / "b", "--load-in-4bit")
     assert "--precision fp8" in msg and "--load-in-4bit" in msg
@@ -78,3 +80,23 @@ def test_resume_keeps_the_precision(tiny_ckpt, alpaca_file, tmp_path, capsys, em
     assert "started with --precision fp8, this command has bf16" in msg
     rc, _, err = run_cli(capsys, *args, "--max-steps", "3", "--resume", "--precision", "fp8")
     assert rc == 0, err
+
+
+def test_load_model_refuses_what_the_cli_refuses(tiny_ckpt, monkeypatch):  # noqa: F811
+    """The Python API checks `precision` as the CLI does: an unknown value, fp8 with
+    load_in_4bit, and fp8 on a device without FP8 matrix units (not emulating) are one line
+    each, not a model loaded some other way."""
+    import leantune
+    from leantune.errors import LeantuneError
+
+    for bad in ("FP8", "fp16"):
+        with pytest.raises(LeantuneError, match=r"precision must be one of bf16, fp8, got"):
+            leantune.load_model(tiny_ckpt, device="cpu", precision=bad)
+    with pytest.raises(LeantuneError, match="pass one of them"):
+        leantune.load_model(tiny_ckpt, device="cpu", precision="fp8", load_in_4bit=True)
+    monkeypatch.delenv("LEANTUNE_FP8_EMULATE", raising=False)
+    with pytest.raises(LeantuneError, match="--precision fp8: cpu: no FP8 matrix units"):
+        leantune.load_model(tiny_ckpt, device="cpu", precision="fp8")
+    monkeypatch.setenv("LEANTUNE_FP8_EMULATE", "1")
+    model = leantune.load_model(tiny_ckpt, device="cpu", precision="fp8")
+    assert any(isinstance(getattr(m, "base", None), FP8Base) for m in model.modules())

@@ -616,8 +616,8 @@ class _LayerRun:
         if need_dx:  # not for the first layer: its input is the (frozen) embedding
             norm = self.layer.norm("attn_in")
             # its codes for the down projection of the layer below (as this layer's down)
-            dxq = (self.down.quantized_grad(dh_mid) if self.layer.norm("mlp_out") is None
-                   else None)
+            dxq = (self.down.quantized_grad(dh_mid)
+                   if self.down is not None and self.layer.norm("mlp_out") is None else None)
             dx = rms_norm_bwd(dxn1, x2, norm.weight, rstd1, norm.offset, residual=dh_mid,
                               quant=None if dxq is None else dxq.targets)
             if dxq is not None:
@@ -672,11 +672,16 @@ class _LayerRun:
                              xa=None if lora is None else lora[0], dyq=guq)
             del gu, lora, guq
         del xq2
-        dxn2 = dxn2[:, :H]
+        return self._through_mlp_norm(dxn2[:, :H], h_mid, rstd2, dout)
+
+    def _through_mlp_norm(self, dxn: torch.Tensor, h_mid: torch.Tensor, rstd: torch.Tensor,
+                          dout: torch.Tensor):
+        """d h_mid = dout + the MLP-in norm's backward of dxn [N, H] -> (d h_mid, its codes
+        for the o projection's input-gradient GEMM where that reads codes and d h_mid is its
+        input (no attention-out norm between), else None)."""
         post = self.layer.norm("mlp_in")
-        # d h_mid's codes for the o projection's input-gradient GEMM (not through a norm)
         dhq = self.o.quantized_grad(dout) if self.layer.norm("attn_out") is None else None
-        dh = rms_norm_bwd(dxn2, h_mid, post.weight, rstd2, post.offset, residual=dout,
+        dh = rms_norm_bwd(dxn, h_mid, post.weight, rstd, post.offset, residual=dout,
                           quant=None if dhq is None else dhq.targets)
         return dh, None if dhq is None else dhq.of(dh)
 

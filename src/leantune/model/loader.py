@@ -34,6 +34,9 @@ from .config import ModelConfig
 from .transformer import CausalLM
 from .weight_map import fused_rows, plan_weights, read_piece_into
 
+# --precision: the frozen base's projections in the checkpoint's 16-bit form, or in e4m3
+PRECISIONS = ("bf16", "fp8")
+
 # What a hub download fetches. Weights: the files transformers loads (model.safetensors or the
 # shards of model.safetensors.index.json), not every *.safetensors: Mistral repos, for one, also
 # hold the whole model again as consolidated.safetensors.
@@ -143,9 +146,17 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype | None = N
         device: default "cuda" when available, else "cpu".
         load_in_4bit: quantise the decoder layers' projection weights to NF4 while loading
             (QLoRA); a pre-quantised bnb-4bit checkpoint is 4-bit either way.
-        precision: "fp8": quantise them to e4m3 with 128 x 128 block scales while loading
-            (kernels/fp8.py), as load_in_4bit does to NF4.
+        precision: "bf16" (the checkpoint's 16-bit weights) or "fp8": quantise them to e4m3
+            with 128 x 128 block scales while loading (kernels/fp8.py), as load_in_4bit does to
+            NF4; refused in one line (LeantuneError) on a device without FP8 matrix units
+            (unless LEANTUNE_FP8_EMULATE=1), with load_in_4bit, or on a 4-bit checkpoint.
     """
+    if precision not in PRECISIONS:
+        raise LeantuneError(f"load_model: precision must be one of {', '.join(PRECISIONS)}, "
+                            f"got {precision!r}")
+    if precision == "fp8" and load_in_4bit:
+        raise LeantuneError("load_model: precision='fp8' quantises the projections to e4m3 and "
+                            "load_in_4bit to NF4; pass one of them")
     folder = resolve_checkpoint(name_or_path)
     cfg = ModelConfig.from_file(folder / "config.json")
     compute_dtype = bnb_compute_dtype(cfg, folder / "config.json")
@@ -155,6 +166,10 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype | None = N
     states = {fam.our_name(k): st for k, st in bnb_quant_states(files).items()
               if not fam.prefixes or fam.our_name(k) != k}
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if precision == "fp8":
+        from ..lora.base_weight import check_precision
+
+        check_precision(precision, device, prequantized=bool(states))
     dtype = dtype or (compute_dtype if states else None) or default_dtype(device)
     nf4 = {name.removesuffix(".weight"): nf4_from_bnb_state(st, dtype, "meta")
            for name, st in states.items()}

@@ -133,6 +133,7 @@ class Trainer(StepRunner):
                 check_source(path, flag)
         check_report_to(cfg.report_to)
         check_merge_at_end(cfg)
+        check_precision(cfg.precision, self.device)  # (the device now; the checkpoint later)
         model_dir = None
         if model is None or (tokenizer is None and train_data is None):
             if not cfg.model:

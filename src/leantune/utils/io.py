@@ -108,6 +108,28 @@ def _create_tmp(path: Path) -> Path:
         return tmp
 
 
+def _umask() -> int:
+    """The process's umask (read by setting it and putting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _finish_tmp(tmp: Path) -> None:
+    """fsync the written temporary file, with the mode a new file gets (0o666 less the umask):
+    a library that wrote it by its own rename (safetensors' save_file since 0.8 does) leaves
+    it 0o600, which would keep other users (a server) from reading an export. Not through a
+    link (O_NOFOLLOW)."""
+    fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        mode = 0o666 & ~_umask()
+        if os.fstat(fd).st_mode & 0o777 != mode:
+            os.fchmod(fd, mode)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def fsync_dir(folder: str | os.PathLike) -> None:
     """Make a rename in `folder` durable (best effort: some filesystems refuse)."""
     try:
@@ -148,8 +170,7 @@ def atomic_path(path: str | os.PathLike, root: str | os.PathLike | None = None):
     try:
         faults.point(f"write {path.name}")
         yield tmp
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+        _finish_tmp(tmp)
         replace(tmp, path)
         fsync_dir(path.parent)
     finally:

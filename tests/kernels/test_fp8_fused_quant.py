@@ -103,12 +103,20 @@ def test_rms_norm_bwd_writes_the_codes_of_dx(H, dtype, backend):
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("inter", [128, 384])
-@pytest.mark.parametrize("act,low_rank", [("silu", True), ("silu", False),
-                                          ("gelu_tanh", True)])
-def test_glu_bwd_writes_the_codes_of_d_gate_up(inter, act, low_rank, dtype, backend):
-    """The GLU backward (both kernels: with the low-rank terms and the rows kernel) writes
-    d gate | d up's codes: the gradients and the forward value h unchanged, the codes those of
-    quantize_rows over d gate | d up as stored."""
+@pytest.mark.parametrize("act,low_rank,tile", [("silu", True, None), ("silu", False, None),
+                                               ("gelu_tanh", True, None),
+                                               ("silu", True, (16, 256, 4))])
+def test_glu_bwd_writes_the_codes_of_d_gate_up(inter, act, low_rank, tile, dtype, backend,
+                                              monkeypatch):
+    """The GLU backward (both kernels: with the low-rank terms, at its default tile (one
+    128-block a row) and a wider one, and the rows kernel) writes d gate | d up's codes: the
+    gradients and the forward value h unchanged, the codes those of quantize_rows over
+    d gate | d up as stored."""
+    import importlib
+
+    swiglu = importlib.import_module("leantune.kernels.swiglu")  # (the module, not the op)
+    if tile is not None:
+        monkeypatch.setitem(swiglu.LORA_TILES, "bwd", tile)
     g = torch.Generator().manual_seed(6)
     gu0 = _x((M, 2 * inter), dtype, seed=2)
     dy0 = _x((M, inter), dtype, seed=5, scale=1.0)

@@ -136,16 +136,28 @@ if triton is not None:
         [2 cols / 128, rows] (row stride stride_s). Column tile pid_n, BLOCK_N a multiple of
         128 and cols too (whole blocks on each side)."""
         NB: tl.constexpr = BLOCK_N // 128
-        kb = pid_n * NB + tl.arange(0, NB)
-        smask = mask_m[:, None] & (kb * 128 < cols)[None, :]
-        qg, sg = quantize_block(tl.reshape(dg.to(tl.float32), (BLOCK_M, NB, 128)), 2, ROUND_FP32)
-        tl.store(Q + rm[:, None] * 2 * cols + rn[None, :], tl.reshape(qg, (BLOCK_M, BLOCK_N)),
-                 mask=mask)
-        tl.store(ST + kb[None, :] * stride_s + rm[:, None], sg, mask=smask)
-        qu, su = quantize_block(tl.reshape(du.to(tl.float32), (BLOCK_M, NB, 128)), 2, ROUND_FP32)
-        tl.store(Q + rm[:, None] * 2 * cols + cols + rn[None, :],
-                 tl.reshape(qu, (BLOCK_M, BLOCK_N)), mask=mask)
-        tl.store(ST + (kb[None, :] + cols // 128) * stride_s + rm[:, None], su, mask=smask)
+        if NB == 1:  # one block a row: reduce the tile's rows as they are (no reshape)
+            kb = pid_n  # (< cols / 128: the grid's column tiles, cols a multiple of 128)
+            smask = mask_m
+            qg, sg = quantize_block(dg.to(tl.float32), 1, ROUND_FP32)
+            tl.store(Q + rm[:, None] * 2 * cols + rn[None, :], qg, mask=mask)
+            tl.store(ST + kb * stride_s + rm, sg, mask=smask)
+            qu, su = quantize_block(du.to(tl.float32), 1, ROUND_FP32)
+            tl.store(Q + rm[:, None] * 2 * cols + cols + rn[None, :], qu, mask=mask)
+            tl.store(ST + (kb + cols // 128) * stride_s + rm, su, mask=smask)
+        else:
+            kb = pid_n * NB + tl.arange(0, NB)
+            smask = mask_m[:, None] & (kb * 128 < cols)[None, :]
+            qg, sg = quantize_block(tl.reshape(dg.to(tl.float32), (BLOCK_M, NB, 128)), 2,
+                                    ROUND_FP32)
+            tl.store(Q + rm[:, None] * 2 * cols + rn[None, :],
+                     tl.reshape(qg, (BLOCK_M, BLOCK_N)), mask=mask)
+            tl.store(ST + kb[None, :] * stride_s + rm[:, None], sg, mask=smask)
+            qu, su = quantize_block(tl.reshape(du.to(tl.float32), (BLOCK_M, NB, 128)), 2,
+                                    ROUND_FP32)
+            tl.store(Q + rm[:, None] * 2 * cols + cols + rn[None, :],
+                     tl.reshape(qu, (BLOCK_M, BLOCK_N)), mask=mask)
+            tl.store(ST + (kb[None, :] + cols // 128) * stride_s + rm[:, None], su, mask=smask)
 
     @triton.jit
     def _glu_bwd_rows_kernel(DY, G, U, H, Q, ST, cols, stride_dy, stride_g, stride_u, stride_h,

@@ -487,10 +487,34 @@ def quant_part(args, device) -> list[dict]:
                  dy_lora=(ga, a_down), quant=quant)
 
     copies_ms = time_ms(lambda: (dgu.copy_(gu), dh.copy_(h)), device)
+    # d q | d k | d v into the q/k/v gradient buffer through RoPE's backward (Llama-3.1-8B's 32
+    # / 8 heads of 128): by hand (copies, RoPE in place) against kernels/qkv_grad.py
+    from leantune.kernels.qkv_grad import qkv_grad
+    from leantune.kernels.rope import rope_
+
+    B, T = (2, M // 2)
+    Hq, Hk, D = (2, 1, 128) if args.tiny else (32, 8, 128)
+    dq, dk, dv = (torch.randn(B, T, n, D, device=device, dtype=dtype) for n in (Hq, Hk, Hk))
+    ang = torch.randn(B, T, D, device=device)
+    cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+    dqkv = x.new_empty(M, (Hq + 2 * Hk) * D)
+
+    def qkv_by_hand():
+        parts = dqkv.split([Hq * D, Hk * D, Hk * D], 1)
+        for dst, src in zip(parts, (dq, dk, dv)):
+            dst.view(B, T, -1, D).copy_(src)
+        rope_(parts[0].view(B, T, Hq, D), parts[1].view(B, T, Hk, D), cos, sin, inverse=True)
+
+    def qkv_fused(quant):
+        if quant is None:
+            return qkv_by_hand()
+        qkv_grad(dq, dk, dv, cos, sin, dqkv, quant=None if quant == "none" else quant)
+
     rows = []
     with kernels.backend("triton"):
         for name, run, out in (("rmsnorm", norm, y), ("glu", glu, h),
-                               ("rmsnorm_bwd", norm_bwd, dx), ("glu_bwd", glu_bwd, dgu)):
+                               ("rmsnorm_bwd", norm_bwd, dx), ("glu_bwd", glu_bwd, dgu),
+                               ("qkv_grad", qkv_fused, dqkv)):
             row = dict(kernel=name, M=M, K=out.shape[1])
             less = copies_ms if name == "glu_bwd" else 0.0
             row.update(alone_ms=time_ms(lambda: run(None), device) - less,
@@ -504,6 +528,8 @@ def quant_part(args, device) -> list[dict]:
             row["codes_equal"] = (torch.equal(codes.view(torch.uint8), q.targets[0].view(
                 torch.uint8)) and torch.equal(scale_t, q.targets[1]))
             row["saved_ms"] = row["then_quant_ms"] - row["fused_ms"]
+            if name == "qkv_grad":  # (16-bit: the one pass without codes against by hand)
+                row["fused_no_codes_ms"] = time_ms(lambda: qkv_fused("none"), device)
             record("fp8_fused_quant", **row)
             rows.append(row)
         # the GLU backward's tiles with and without the codes (--glu-tiles; LORA_TILES["bwd"])
@@ -717,7 +743,9 @@ def print_table(gemms: list[dict], steps: list[dict], losses: list[dict] = (),
         for r in quants:
             print(f"       {r['kernel']:<11} {r['M']}x{r['K']:<10} {r['alone_ms']:8.3f} | "
                   f"{r['then_quant_ms']:8.3f} | {r['fused_ms']:8.3f} | {r['saved_ms']:7.3f} | "
-                  f"{'yes' if r['codes_equal'] else 'NO'}")
+                  f"{'yes' if r['codes_equal'] else 'NO'}"
+                  + (f"  (no codes: {r['fused_no_codes_ms']:.3f})" if "fused_no_codes_ms" in r
+                     else ""))
     for r in glus:
         print(f"\nglu+lora M {r['M']} I {r['I']} R {r['R']}: fwd unfused {r['fwd_unfused_ms']:.3f} "
               f"/ fused {r['fwd_fused_ms']:.3f} ms, bwd unfused {r['bwd_unfused_ms']:.3f} / fused "

@@ -225,12 +225,12 @@ def _loss_and_lora_grads(model, batch):
     return loss.detach(), torch.autograd.grad(loss, params), outs
 
 
-def _engine_runs(monkeypatch, family: str, settings: dict) -> dict:
+def _engine_runs(monkeypatch, family: str, settings: dict, **shape) -> dict:
     """Every FP8 GEMM through cublas_gemm (scaled mm emulated), the norm / GLU / quantisation
     kernels in the interpreter, a layer recomputing everything below one keeping its
     attention state (MLP recomputed), for each of `settings` (name -> (EngineOptions, env)):
     name -> ((loss, LoRA gradients, layer outputs), quantize_rows passes, carriers handed to
-    forward GEMMs, carriers handed to input-gradient GEMMs)."""
+    forward GEMMs, carriers handed to input-gradient GEMMs). `shape`: SHAPE's fields changed."""
     import leantune.engine.weights as weights
     import leantune.lora.base_weight as base_weight
     from leantune.engine import Engine, LayerPlan, detach
@@ -259,7 +259,7 @@ def _engine_runs(monkeypatch, family: str, settings: dict) -> dict:
     results = {}
     with kernels.backend("triton"):
         model = quantize_fp8_(model_for(dict(SHAPE, hidden_act=CONFIGS[family].get(
-            "hidden_act", "silu"))))
+            "hidden_act", "silu"), **shape)))
         for name, (opts, env) in settings.items():
             for k, v in env.items():
                 monkeypatch.setenv(k, v)
@@ -305,13 +305,15 @@ def test_fused_layers_bit_identical_with_fused_quant_on_and_off(family, chunk_ro
     assert handed_on == 3 * 2 + 2 + 1
 
 
-@pytest.mark.parametrize("family,chunk_rows", [("llama", None), ("gelu", 11)])
-def test_fused_grad_quant_bit_identical_on_and_off(family, chunk_rows, monkeypatch):
+@pytest.mark.parametrize("family,chunk_rows,head_dim", [("llama", None, 64), ("gelu", 11, 64),
+                                                       ("llama", None, 128)])
+def test_fused_grad_quant_bit_identical_on_and_off(family, chunk_rows, head_dim, monkeypatch):
     """The input-gradient GEMMs' carriers (EngineOptions.fuse_grad_quant; the kernels writing
     d gate | d up, d h_mid and the layer's input gradient, the last handed to the layer
-    below): loss and LoRA gradients bit-identical on and off, and on, those GEMMs quantise
-    nothing of their own. `chunk_rows` as above (the second chunk unaligned: its d out's codes
-    not sliced, quantised by the GEMM)."""
+    below; with heads of 128, d q | d k | d v's too, kernels/qkv_grad.py): loss and LoRA
+    gradients bit-identical on and off, and on, those GEMMs quantise nothing of their own.
+    `chunk_rows` as above (the second chunk unaligned: its d out's codes not sliced, quantised
+    by the GEMM)."""
     from helpers import chunk_options
     from leantune.engine import EngineOptions
 
@@ -319,7 +321,10 @@ def test_fused_grad_quant_bit_identical_on_and_off(family, chunk_rows, monkeypat
         return (chunk_options(chunk_rows, intermediate=384, fuse_grad_quant=on) if chunk_rows
                 else EngineOptions(fuse_grad_quant=on))
 
-    runs = _engine_runs(monkeypatch, family, {on: (opts(on), {}) for on in (True, False)})
+    heads = {} if head_dim == 64 else dict(head_dim=head_dim, num_attention_heads=1,
+                                            num_key_value_heads=1)
+    runs = _engine_runs(monkeypatch, family, {on: (opts(on), {}) for on in (True, False)},
+                        **heads)
     result_on, passes_on, fwd_on, grads_on = runs[True]
     result_off, passes_off, fwd_off, grads_off = runs[False]
     _assert_bit_identical(result_on, result_off)
@@ -328,8 +333,9 @@ def test_fused_grad_quant_bit_identical_on_and_off(family, chunk_rows, monkeypat
     # per layer d gate | d up (a carrier each chunk) and d h_mid (o); the top layer's input
     # gradient for the bottom layer's down (the top layer's d out comes from the final norm's
     # autograd backward: quantised by the GEMM); chunked, the second chunk's d out unaligned
+    # (heads of 128: q/k/v's too, in the top layer: the bottom one needs no input gradient)
     chunks = 2 if chunk_rows else 1
-    assert grads_on == 2 * chunks + 2 + 1
+    assert grads_on == 2 * chunks + 2 + 1 + (1 if head_dim == 128 else 0)
 
 
 def test_switch_off_and_other_paths_hand_over_nothing(monkeypatch):

@@ -54,6 +54,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..kernels.qk_norm_rope import qk_norm_rope_bwd_, qk_norm_rope_fwd
+from ..kernels.qkv_grad import qkv_grad, quantizable
 from ..kernels.rmsnorm import rms_norm_bwd, rms_norm_fwd
 from ..kernels.rope import rope_
 from ..kernels.swiglu import MAX_LORA_RANK, glu_bwd_, glu_fwd
@@ -600,18 +601,28 @@ class _LayerRun:
         del dattn, qkv, q4, k4, v4, out4, state
         # d q | d k | d v side by side: the q/k/v group's input gradient is one GEMM
         dqkv = dq.new_empty(N, sum(self.qkv.outs))
-        for dst, src in zip(self._split_qkv(dqkv, self.shape), (dq, dk, dv)):
-            dst.copy_(src)
-        del dq, dk, dv
-        dq4, dk4, _ = self._split_qkv(dqkv, self.shape)
-        if q_raw is not None:  # through RoPE and the q/k norm
-            qk_norm_rope_bwd_(dq4, dk4, q_raw, k_raw, at.q_norm.weight, at.k_norm.weight,
-                              at.q_norm.eps, at.q_norm.offset, self.cos, self.sin)
-            del q_raw, k_raw
+        dqkvq = None
+        if (q_raw is None and at.rotary_dim is None and self.ex.options.fuse_qkv_grad):
+            # one pass: the copies, RoPE's backward and (FP8) the codes the GEMM reads
+            dqkvq = (self.qkv.quantized_grad(dqkv) if need_dx and quantizable(at.head_dim)
+                     else None)
+            qkv_grad(dq, dk, dv, self.cos, self.sin, dqkv,
+                     quant=None if dqkvq is None else dqkvq.targets)
+            del dq, dk, dv
         else:
-            rope_(*self._rotary(dq4, dk4), self.cos, self.sin, inverse=True)
-        dxn1 = self.qkv.backward(X1, dqkv, grads, need_dx=need_dx)
-        del dqkv, dq4, dk4
+            for dst, src in zip(self._split_qkv(dqkv, self.shape), (dq, dk, dv)):
+                dst.copy_(src)
+            del dq, dk, dv
+            dq4, dk4, _ = self._split_qkv(dqkv, self.shape)
+            if q_raw is not None:  # through RoPE and the q/k norm
+                qk_norm_rope_bwd_(dq4, dk4, q_raw, k_raw, at.q_norm.weight, at.k_norm.weight,
+                                  at.q_norm.eps, at.q_norm.offset, self.cos, self.sin)
+                del q_raw, k_raw
+            else:
+                rope_(*self._rotary(dq4, dk4), self.cos, self.sin, inverse=True)
+            del dq4, dk4
+        dxn1 = self.qkv.backward(X1, dqkv, grads, need_dx=need_dx, dyq=dqkvq)
+        del dqkv, dqkvq
         dx = None
         if need_dx:  # not for the first layer: its input is the (frozen) embedding
             norm = self.layer.norm("attn_in")

@@ -54,7 +54,11 @@ class EngineOptions:
     fuse_grad_quant: where an FP8 base's input-gradient GEMM runs on cuBLAS (which reads e4m3
         codes), the kernels that write its output gradient (the GLU backward for gate/up, the
         RMSNorm backward for o and the layer below's down) write the codes too, instead of a
-        quantisation pass of the GEMM's own over the gradient."""
+        quantisation pass of the GEMM's own over the gradient.
+    fuse_qkv_grad: attention's d q, d k, d v go into the q/k/v group's gradient buffer through
+        RoPE's backward in one pass (kernels/qkv_grad.py; with an FP8 base, writing the codes
+        its input-gradient GEMM reads) instead of three copies and an in-place RoPE pass (full
+        rotary, no q/k norm)."""
 
     kernels: str = "auto"
     fused_layers: bool = True
@@ -69,6 +73,7 @@ class EngineOptions:
     fuse_glu_lora: bool = True
     fuse_lora_add: bool = True
     fuse_grad_quant: bool = True
+    fuse_qkv_grad: bool = True
 
     def __post_init__(self):
         if self.kernels not in KERNELS:

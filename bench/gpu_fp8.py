@@ -26,9 +26,9 @@
     GLU (--tokens x 14336) forward writing their output's e4m3 codes as they write it (the
     cuBLAS GEMM's input, kernels/fp8_quant.QuantizedRows) against the kernel alone and the
     kernel followed by the quantize_rows pass (LEANTUNE_FP8_FUSED_QUANT=0); codes checked equal.
-    Likewise the backward kernels that write an input-gradient GEMM's input (the RMSNorm
-    backward's dx; the GLU backward's d gate | d up, with its low-rank terms as in the step),
-    EngineOptions.fuse_grad_quant.
+    Likewise the backward kernels that write an input-gradient GEMM's input (the GLU backward's
+    d gate | d up, with its low-rank terms as in the step; kernels/qkv_grad.py's d q | d k | d v
+    against the copies and RoPE pass it replaces), EngineOptions.fuse_grad_quant.
     In (b), --fused-quant on off runs each fp8 policy both ways (LEANTUNE_FP8_FUSED_QUANT),
     --grad-quant on off with the input gradients' codes written by their kernels or not
     (LEANTUNE_FUSE_GRAD_QUANT), and --trim on off each policy with offloaded layers trimmed of
@@ -447,7 +447,7 @@ def quant_part(args, device) -> list[dict]:
     off), and writing the codes themselves (on; the carrier allocated in the timing, as in the
     layer); the fused codes and scales checked equal to quantize_rows'."""
     from leantune.kernels.fp8_quant import QuantizedRows, quantize_rows
-    from leantune.kernels.rmsnorm import rms_norm_bwd, rms_norm_fwd
+    from leantune.kernels.rmsnorm import rms_norm_fwd
     from leantune.kernels.swiglu import ACTS, glu_bwd_, glu_fwd
 
     M = args.tokens
@@ -465,10 +465,7 @@ def quant_part(args, device) -> list[dict]:
     def glu(quant):
         glu_fwd(gu[:, :inter], gu[:, inter:], ACTS["silu"], out=h, quant=quant)
 
-    # the backward kernels (the GLU's in place: on a copy, whose time is subtracted)
-    dy, res = torch.randn_like(x), torch.randn_like(x)
-    rstd = torch.rsqrt(x.float().pow(2).mean(-1) + 1e-5)
-    dx = x.new_empty(M, H)
+    # the GLU backward (in place: on a copy, whose time is subtracted)
     R = 32
     lora = (torch.randn(M, R, device=device, dtype=dtype),
             0.05 * torch.randn(inter, R, device=device, dtype=dtype),
@@ -476,9 +473,6 @@ def quant_part(args, device) -> list[dict]:
     ga, a_down = (torch.randn(M, 16, device=device, dtype=dtype),
                   0.05 * torch.randn(16, inter, device=device, dtype=dtype))
     dgu, dh = gu.clone(), h.clone()
-
-    def norm_bwd(quant):  # (dx: the last result, for the codes check)
-        dx.set_(rms_norm_bwd(dy, x, w, rstd, residual=res, quant=quant))
 
     def glu_bwd(quant):
         dgu.copy_(gu)
@@ -513,7 +507,7 @@ def quant_part(args, device) -> list[dict]:
     rows = []
     with kernels.backend("triton"):
         for name, run, out in (("rmsnorm", norm, y), ("glu", glu, h),
-                               ("rmsnorm_bwd", norm_bwd, dx), ("glu_bwd", glu_bwd, dgu),
+                               ("glu_bwd", glu_bwd, dgu),
                                ("qkv_grad", qkv_fused, dqkv)):
             row = dict(kernel=name, M=M, K=out.shape[1])
             less = copies_ms if name == "glu_bwd" else 0.0

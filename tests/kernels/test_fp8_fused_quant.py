@@ -1,5 +1,5 @@
 """FP8 activation quantisation fused into the kernels that produce the activation (issue 23):
-rms_norm_fwd and glu_fwd (and, for the input-gradient GEMMs, rms_norm_bwd and glu_bwd_) write
+rms_norm_fwd and glu_fwd (and, for the input-gradient GEMMs, glu_bwd_ and qkv_grad) write
 their output's e4m3 codes and 1 x 128 block scales in quantize_rows' layout (equal to
 quantize_rows and to its reference bit for bit, the 16-bit output unchanged), and the fused
 layers hand them to the cuBLAS FP8 GEMMs (scaled mm emulated on the CPU) through
@@ -15,7 +15,7 @@ from leantune import kernels
 from leantune.kernels import fp8_gemm as gemm
 from leantune.kernels.fp8_quant import (ROW_ALIGN, QuantizedRows, quantize_rows,
                                         quantize_rows_reference, transpose_codes_reference)
-from leantune.kernels.rmsnorm import rms_norm_bwd, rms_norm_fwd
+from leantune.kernels.rmsnorm import rms_norm_fwd
 from leantune.kernels.swiglu import ACTS, glu_bwd_, glu_fwd
 
 M = 21  # rows: not a multiple of ROW_ALIGN (padded codes)
@@ -84,24 +84,6 @@ def test_glu_writes_the_codes_quantize_rows_would(inter, act, dtype, backend):
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("H", [128, 384])
-def test_rms_norm_bwd_writes_the_codes_of_dx(H, dtype, backend):
-    """The RMSNorm backward's dx (with the residual's gradient) and its codes: dx unchanged,
-    the codes those of quantize_rows(dx)."""
-    x = _x((M, H), dtype)
-    dy, res = _x((M, H), dtype, seed=3, scale=1.0), _x((M, H), dtype, seed=4, scale=1.0)
-    w = _x((1, H), dtype, seed=1, scale=0.5)[0]
-    rstd = torch.rsqrt(x.float().pow(2).mean(-1) + 1e-6)
-    with kernels.backend(backend):
-        dx_plain = rms_norm_bwd(dy, x, w, rstd, 0.0, residual=res)
-        q = QuantizedRows.empty(dy)
-        dx = rms_norm_bwd(dy, x, w, rstd, 0.0, residual=res, quant=q.targets)
-    assert torch.equal(dx, dx_plain)
-    _check_codes(q, dx)
-
-
-@pytest.mark.parametrize("backend", ["triton", "reference"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("inter", [128, 384])
 @pytest.mark.parametrize("act,low_rank,tile", [("silu", True, None), ("silu", False, None),
                                                ("gelu_tanh", True, None),
@@ -141,8 +123,6 @@ def test_wrong_quant_buffers_are_one_clear_error():
         rms_norm_fwd(x, torch.ones(128), 1e-6, quant=(q.codes, q.scale_t))  # padded rows
     with pytest.raises(ValueError, match="glu_fwd: quant must be"):
         glu_fwd(x, x, ACTS["silu"], quant=(q.targets[0], q.targets[1].t()))
-    with pytest.raises(ValueError, match="rms_norm_bwd: quant must be"):
-        rms_norm_bwd(x, x, torch.ones(128), torch.ones(M), quant=(q.codes, q.scale_t))
     with pytest.raises(ValueError, match=r"glu_bwd_: quant must be .*\[21, 256\]"):
         glu_bwd_(x, x, x.clone(), ACTS["silu"], quant=q.targets)  # d gate's alone
     odd = torch.randn(M, 2 * 136)
@@ -308,12 +288,10 @@ def test_fused_layers_bit_identical_with_fused_quant_on_and_off(family, chunk_ro
 @pytest.mark.parametrize("family,chunk_rows,head_dim", [("llama", None, 64), ("gelu", 11, 64),
                                                        ("llama", None, 128)])
 def test_fused_grad_quant_bit_identical_on_and_off(family, chunk_rows, head_dim, monkeypatch):
-    """The input-gradient GEMMs' carriers (EngineOptions.fuse_grad_quant; the kernels writing
-    d gate | d up, d h_mid and the layer's input gradient, the last handed to the layer
-    below; with heads of 128, d q | d k | d v's too, kernels/qkv_grad.py): loss and LoRA
-    gradients bit-identical on and off, and on, those GEMMs quantise nothing of their own.
-    `chunk_rows` as above (the second chunk unaligned: its d out's codes not sliced, quantised
-    by the GEMM)."""
+    """The input-gradient GEMMs' carriers (EngineOptions.fuse_grad_quant; the GLU backward
+    writing d gate | d up's codes; with heads of 128, kernels/qkv_grad.py d q | d k | d v's):
+    loss and LoRA gradients bit-identical on and off, and on, those GEMMs quantise nothing of
+    their own. `chunk_rows` as above (a carrier each MLP chunk)."""
     from helpers import chunk_options
     from leantune.engine import EngineOptions
 
@@ -330,12 +308,10 @@ def test_fused_grad_quant_bit_identical_on_and_off(family, chunk_rows, head_dim,
     _assert_bit_identical(result_on, result_off)
     assert fwd_on == fwd_off > 0 and grads_off == 0
     assert passes_on == passes_off - grads_on
-    # per layer d gate | d up (a carrier each chunk) and d h_mid (o); the top layer's input
-    # gradient for the bottom layer's down (the top layer's d out comes from the final norm's
-    # autograd backward: quantised by the GEMM); chunked, the second chunk's d out unaligned
-    # (heads of 128: q/k/v's too, in the top layer: the bottom one needs no input gradient)
+    # per layer d gate | d up (a carrier each chunk); heads of 128: q/k/v's too, in the top
+    # layer (the bottom one needs no input gradient)
     chunks = 2 if chunk_rows else 1
-    assert grads_on == 2 * chunks + 2 + 1 + (1 if head_dim == 128 else 0)
+    assert grads_on == 2 * chunks + (1 if head_dim == 128 else 0)
 
 
 def test_switch_off_and_other_paths_hand_over_nothing(monkeypatch):

@@ -18,7 +18,6 @@ from .activation_store import ActivationStore
 from .attention import AttentionBackend
 from .executor import (CheckpointExecutor, FusedExecutor, Keep, LayerPlan, fused_unsupported,
                        has_expert_lora, lora_ranks)
-from .grad_handoff import GradHandoff
 from .options import EngineOptions
 from .weights import DenseWeights, pack_layer
 
@@ -32,7 +31,6 @@ class Engine:
         self.store = ActivationStore()
         self.weights = DenseWeights(self.options)
         self.attention = AttentionBackend(self.options)
-        self.handoff = GradHandoff()  # a layer's input-gradient codes for the layer below
 
     def fused_unsupported(self, model) -> str | None:
         """Why the model's layers can't take the fused path (None if they can)."""
@@ -51,8 +49,7 @@ class Engine:
         if plan is None:
             return None
         if self.options.fused_layers and fused_unsupported(layer) is None:
-            return FusedExecutor(plan, self.store, self.weights, self.attention, self.options,
-                                 self.handoff)
+            return FusedExecutor(plan, self.store, self.weights, self.attention, self.options)
         return CheckpointExecutor(plan) if plan.keep < Keep.ALL else None
 
     def attach(self, model, plans: list) -> None:

@@ -33,9 +33,8 @@ On an FP8 base whose GEMMs run on cuBLAS, the norms before q/k/v and gate/up and
 before down write their output's e4m3 codes as they write it, in forward and in recompute
 (`_normed`, `_down_input`; ProjectionGroup.quantized_input), so those GEMMs run no quantisation
 pass of their own (LEANTUNE_FP8_FUSED_QUANT=0: they do; the results are bit-identical). In
-backward likewise the kernels that write the input-gradient GEMMs' inputs: the GLU backward d
-gate | d up for gate/up, the RMSNorm backwards d h_mid for o and the layer's input gradient for
-the down projection of the layer below (engine/grad_handoff.py; ProjectionGroup.quantized_grad,
+backward likewise the GLU backward writes d gate | d up's codes for gate/up's input-gradient
+GEMM, and kernels/qkv_grad.py d q | d k | d v's for q/k/v's (ProjectionGroup.quantized_grad,
 EngineOptions.fuse_grad_quant; bit-identical too). Where
 gate/up's LoRA is not inside their GEMM (FP8, unpacked), the GLU kernels add its low-rank terms,
 and the GLU backward the down projection's dX term (`_gate_up`, EngineOptions.fuse_glu_lora): a
@@ -62,7 +61,6 @@ from ..model.attention import AttentionMeta
 from ..model.moe import MoEBlock
 from .activation_store import ActivationStore
 from .attention import AttentionBackend
-from .grad_handoff import GradHandoff
 from .options import EngineOptions
 from .projections import ProjectionGroup
 from .weights import DenseWeights, layer_groups
@@ -232,11 +230,9 @@ class FusedExecutor:
     kind = "fused"
 
     def __init__(self, plan: LayerPlan, store: ActivationStore, weights: DenseWeights,
-                 attention: AttentionBackend, options: EngineOptions,
-                 handoff: GradHandoff | None = None):
+                 attention: AttentionBackend, options: EngineOptions):
         self.plan, self.store, self.weights = plan, store, weights
         self.attention, self.options = attention, options
-        self.handoff = handoff if handoff is not None else GradHandoff()
 
     def __call__(self, layer, x, cos, sin, meta: AttentionMeta) -> torch.Tensor:
         if isinstance(layer.mlp, MoEBlock):
@@ -474,7 +470,6 @@ class _LayerRun:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, H = x.shape
         x2 = x.reshape(B * T, H)
-        self.ex.handoff.clear()  # (a gradient's codes left from an earlier backward)
         self._groups(x.dtype)
         keep = self.plan.keep
         X1, _, qkv, qkv4, out4, state = self._attention(x2, x.shape)
@@ -557,8 +552,6 @@ class _LayerRun:
         store.prefetch(self.handle.prev)  # load the layer below while this one runs
         grads: dict = {}
         dout = dout.reshape(N, H)
-        # the codes of dout, where the layer above wrote them (its input gradient's norm)
-        doutq = self.ex.handoff.take(dout)
         x2 = kept.x
         keep = self.plan.keep
         at = self.layer.self_attn
@@ -582,15 +575,15 @@ class _LayerRun:
             q4, k4, v4 = self._rotated(qkv, self.shape, in_place=again)
             out4 = kept.attn.view(q4.shape)
             kept.attn = None
-        dh_mid, doq = self._mlp_backward(h_mid, dout, kept, grads, doutq)
-        del h_mid, doutq
+        dh_mid = self._mlp_backward(h_mid, dout, kept, grads)
+        del h_mid
 
         # attention: h_mid = x + o(attn(rope(qk_norm(q, k)), v))
         do = dh_mid
         if self.layer.norm("attn_out") is not None:  # through the attention-out norm
             do = self._through_out_norm("attn_out", self.o.project(out4.reshape(N, -1)), do)
-        dattn = self.o.backward(out4.reshape(N, -1), [do], grads, dyq=doq)
-        del do, doq
+        dattn = self.o.backward(out4.reshape(N, -1), [do], grads)
+        del do
         # (with attention sinks, frozen, their gradient comes fourth and is dropped)
         dq, dk, dv = self.ex.attention.backward(dattn.view(out4.shape), q4, k4, v4, out4, state,
                                                 self.meta, at.window, at.scale,
@@ -626,25 +619,18 @@ class _LayerRun:
         dx = None
         if need_dx:  # not for the first layer: its input is the (frozen) embedding
             norm = self.layer.norm("attn_in")
-            # its codes for the down projection of the layer below (as this layer's down)
-            dxq = (self.down.quantized_grad(dh_mid)
-                   if self.down is not None and self.layer.norm("mlp_out") is None else None)
-            dx = rms_norm_bwd(dxn1, x2, norm.weight, rstd1, norm.offset, residual=dh_mid,
-                              quant=None if dxq is None else dxq.targets)
-            if dxq is not None:
-                self.ex.handoff.give(dx, dxq.of(dx))
-            dx = dx.view(B, T, H)
+            dx = rms_norm_bwd(dxn1, x2, norm.weight, rstd1, norm.offset,
+                              residual=dh_mid).view(B, T, H)
         store.release(self.handle)
         self.handle = None
         self._drop_groups()
         return dx, grads
 
     def _mlp_backward(self, h_mid: torch.Tensor, dout: torch.Tensor, kept: Kept,
-                      grads: dict, doutq=None):
-        """The MLP's backward: dout [N, H] (the layer output's gradient; doutq: its codes, or
-        None) -> (d h_mid [N, H] (through the MLP and its residual), its codes for the o
-        projection's input-gradient GEMM or None), LoRA gradients into `grads`. Takes the MLP's
-        fields out of `kept` as it uses them."""
+                      grads: dict) -> torch.Tensor:
+        """The MLP's backward: dout [N, H] (the layer output's gradient) -> d h_mid [N, H]
+        (through the MLP and its residual), LoRA gradients into `grads`. Takes the MLP's fields
+        out of `kept` as it uses them."""
         N, H = dout.shape
         inter = self.layer.mlp.up_proj.out_features
         keep = self.plan.keep
@@ -661,13 +647,10 @@ class _LayerRun:
                 gu, lora = self._gate_up(X2[rows], self._rows(xq2, rows))
             kept_gu = None
             ddown = dout[rows]  # the down projection's output gradient
-            ddq = self._rows(doutq, rows)
             if self.layer.norm("mlp_out") is not None:  # through the MLP-out norm
                 ddown = self._through_out_norm("mlp_out", self._down_out(gu, lora), ddown)
-                ddq = None
             # (fuse_dx: da without its LoRA term ga A, which the GLU kernel adds)
-            da, ga = self.down.input_grad(ddown, add_ga=not self.fuse_dx, dyq=ddq)
-            del ddq
+            da, ga = self.down.input_grad(ddown, add_ga=not self.fuse_dx)
             # d gate | d up's codes, where the GLU backward can write them (whole 1 x 128
             # blocks each side) and the gate/up GEMM reads codes
             guq = self.gu.quantized_grad(gu) if inter % 128 == 0 else None
@@ -683,18 +666,9 @@ class _LayerRun:
                              xa=None if lora is None else lora[0], dyq=guq)
             del gu, lora, guq
         del xq2
-        return self._through_mlp_norm(dxn2[:, :H], h_mid, rstd2, dout)
-
-    def _through_mlp_norm(self, dxn: torch.Tensor, h_mid: torch.Tensor, rstd: torch.Tensor,
-                          dout: torch.Tensor):
-        """d h_mid = dout + the MLP-in norm's backward of dxn [N, H] -> (d h_mid, its codes
-        for the o projection's input-gradient GEMM where that reads codes and d h_mid is its
-        input (no attention-out norm between), else None)."""
+        dxn2 = dxn2[:, :H]
         post = self.layer.norm("mlp_in")
-        dhq = self.o.quantized_grad(dout) if self.layer.norm("attn_out") is None else None
-        dh = rms_norm_bwd(dxn, h_mid, post.weight, rstd, post.offset, residual=dout,
-                          quant=None if dhq is None else dhq.targets)
-        return dh, None if dhq is None else dhq.of(dh)
+        return rms_norm_bwd(dxn2, h_mid, post.weight, rstd2, post.offset, residual=dout)
 
 
 class _FusedLayerFunction(torch.autograd.Function):

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.rmsnorm import rms_norm_fwd
+from ..kernels.rmsnorm import rms_norm_bwd, rms_norm_fwd
 from ..kernels.swiglu import glu_bwd_
 from ..model.moe import Grouping, grouped_matmul
 from .executor import Kept, Keep, _LayerRun
@@ -121,8 +121,7 @@ class MoELayerRun(_LayerRun):
         return {"gu": gu} if self.in_graph and self.plan.keep >= Keep.ALL else {}
 
     def _mlp_backward(self, h_mid: torch.Tensor, dout: torch.Tensor, kept: Kept,
-                      grads: dict, doutq=None):
-        """(_LayerRun._mlp_backward's; doutq unused: the experts' GEMMs are 16-bit)"""
+                      grads: dict) -> torch.Tensor:
         moe, post = self.layer.mlp, self.layer.norm("mlp_in")
         experts, k = moe.experts, moe.spec.top_k
         N, H = dout.shape
@@ -166,7 +165,7 @@ class MoELayerRun(_LayerRun):
                                           d_w.index_select(0, g.inverse).view(N, k))
         dxn += d_router
         del d_router
-        return self._through_mlp_norm(dxn, h_mid, rstd, dout)
+        return rms_norm_bwd(dxn, h_mid, post.weight, rstd, post.offset, residual=dout)
 
     def _weight(self, name: str) -> torch.Tensor:
         """Expert projection `name`'s base weight [E, in, out], from the weight provider."""

@@ -52,9 +52,9 @@ class EngineOptions:
         unpacked o projection), one kernel adds it and the residual to the GEMM's output
         (kernels/lora_add.py) instead of a residual pass and one addmm_ per projection.
     fuse_grad_quant: where an FP8 base's input-gradient GEMM runs on cuBLAS (which reads e4m3
-        codes), the kernels that write its output gradient (the GLU backward for gate/up, the
-        RMSNorm backward for o and the layer below's down) write the codes too, instead of a
-        quantisation pass of the GEMM's own over the gradient.
+        codes), the kernels that write its output gradient (the GLU backward for gate/up,
+        kernels/qkv_grad.py for q/k/v) write the codes too, instead of a quantisation pass of
+        the GEMM's own over the gradient.
     fuse_qkv_grad: attention's d q, d k, d v go into the q/k/v group's gradient buffer through
         RoPE's backward in one pass (kernels/qkv_grad.py; with an FP8 base, writing the codes
         its input-gradient GEMM reads) instead of three copies and an in-place RoPE pass (full

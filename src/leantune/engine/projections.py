@@ -211,8 +211,7 @@ class ProjectionGroup:
         this group's input-gradient GEMM would quantise dy itself (an FP8 base on the cuBLAS
         path: WeightSource.quantized_grad; EngineOptions.fuse_grad_quant), for the kernel that
         writes dy to fill as it does (then pass it to input_grad / backward as `dyq`); else
-        None. dy may be a template of the gradient's shape: QuantizedRows.of hands the
-        buffers to the tensor written."""
+        None."""
         return self.source.quantized_grad(dy) if self.fuse_grad_quant else None
 
     def grad_width(self) -> int:

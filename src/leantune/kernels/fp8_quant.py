@@ -81,14 +81,6 @@ class QuantizedRows:
             scale_t[:, M:] = 1
         return cls(x, codes, scale_t)
 
-    def of(self, x: torch.Tensor) -> "QuantizedRows":
-        """These buffers as the carrier of x (of the shape they were made for: `empty` from a
-        template, before the kernel that writes x allocates it)."""
-        if tuple(x.shape) != tuple(self.x.shape):
-            raise ValueError(f"QuantizedRows.of: buffers for {tuple(self.x.shape)}, "
-                             f"not {tuple(x.shape)}")
-        return QuantizedRows(x, self.codes, self.scale_t)
-
     @property
     def targets(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(codes [M, K], scale_t [K / 128, M] with row stride Mp): what the producer writes."""

@@ -88,19 +88,16 @@ if triton is not None:
                      mask=rmask[:, None] & (kb * 128 < H)[None, :])
 
     @triton.jit
-    def _rms_norm_bwd_kernel(DY, X, W, RSTD, DX, DW_PART, RES, Q, ST, n_rows, H, stride_dy,
-                             stride_x, stride_dx, stride_res, stride_s, offset,
+    def _rms_norm_bwd_kernel(DY, X, W, RSTD, DX, DW_PART, RES, n_rows, H, stride_dy, stride_x,
+                             stride_dx, stride_res, offset,
                              BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
                              HAS_OFFSET: tl.constexpr, COMPUTE_DX: tl.constexpr,
-                             COMPUTE_DW: tl.constexpr, HAS_RES: tl.constexpr,
-                             QUANT: tl.constexpr, ROUND_FP32: tl.constexpr):
+                             COMPUTE_DW: tl.constexpr, HAS_RES: tl.constexpr):
         """Grid-stride loop over blocks of BLOCK_R rows.
 
         dx = rstd * (g - xhat * mean(g * xhat)) [+ res],  g = dy * (offset + w),  xhat = x * rstd
         dw = sum over rows of dy * xhat   (xhat rounded to x.dtype first when offset == 0)
         res: the gradient arriving through a residual connection, added before rounding.
-        QUANT: also dx's e4m3 codes into Q [n_rows, H] and 1 x 128 block scales into ST
-        [H / 128, n_rows] (row stride stride_s), from dx as stored (as the forward's y).
         """
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
@@ -132,18 +129,8 @@ if triton is not None:
                 if HAS_RES:
                     dx += tl.load(RES + rows[:, None] * stride_res + cols[None, :], mask=mask,
                                   other=0.0).to(tl.float32)
-                dx = dx.to(DX.dtype.element_ty)
-                tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx, mask=mask)
-                if QUANT:
-                    NB: tl.constexpr = BLOCK_H // 128
-                    q, sc = quantize_block(tl.reshape(dx.to(tl.float32), (BLOCK_R, NB, 128)), 2,
-                                           ROUND_FP32)
-                    kb = tl.arange(0, NB)
-                    c3 = kb[None, :, None] * 128 + tl.arange(0, 128)[None, None, :]
-                    tl.store(Q + rows[:, None, None] * H + c3, q,
-                             mask=rmask[:, None, None] & (c3 < H))
-                    tl.store(ST + kb[None, :] * stride_s + rows[:, None], sc,
-                             mask=rmask[:, None] & (kb * 128 < H)[None, :])
+                tl.store(DX + rows[:, None] * stride_dx + cols[None, :],
+                         dx.to(DX.dtype.element_ty), mask=mask)
         if COMPUTE_DW:
             tl.store(DW_PART + pid.to(tl.int64) * H + cols, tl.sum(dw_acc, axis=0), mask=cmask)
 
@@ -213,11 +200,10 @@ class _RMSNormFunction(torch.autograd.Function):
         dw_part = (torch.empty((grid, H), dtype=torch.float32, device=x2.device)
                    if need_dw else rstd)  # placeholder pointer when unused
         _rms_norm_bwd_kernel[(grid,)](
-            dy2, x2, w, rstd, dx if need_dx else x2, dw_part, x2, rstd, rstd, n, H,
-            dy2.stride(0), x2.stride(0), dx.stride(0) if need_dx else 0, 0, 0, ctx.offset,
+            dy2, x2, w, rstd, dx if need_dx else x2, dw_part, x2, n, H,
+            dy2.stride(0), x2.stride(0), dx.stride(0) if need_dx else 0, 0, ctx.offset,
             BLOCK_R=block_r, BLOCK_H=block_h, HAS_OFFSET=bool(ctx.offset),
-            COMPUTE_DX=need_dx, COMPUTE_DW=need_dw, HAS_RES=False, QUANT=False,
-            ROUND_FP32=False, num_warps=warps)
+            COMPUTE_DX=need_dx, COMPUTE_DW=need_dw, HAS_RES=False, num_warps=warps)
         if need_dw:
             dw = dw_part.sum(0).to(w.dtype)
         return (dx.view(ctx.x_shape) if need_dx else None), dw, None, None
@@ -274,33 +260,21 @@ def rms_norm_fwd(x2: torch.Tensor, weight: torch.Tensor, eps: float, offset: flo
 
 
 def rms_norm_bwd(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
-                 offset: float = 0.0, residual: torch.Tensor | None = None,
-                 quant: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 offset: float = 0.0, residual: torch.Tensor | None = None) -> torch.Tensor:
     """dx [n, H] of RMSNorm with a frozen weight, from dy2, x2: [n, H] and the forward's rstd;
     plus `residual` [n, H] (the gradient of a residual connection around the norm) if given,
-    added in fp32 before the one rounding. `quant`: as rms_norm_fwd's, for dx (the input of
-    the FP8 input-gradient GEMM that reads it next): equal to quantize_rows(dx) bit for bit."""
+    added in fp32 before the one rounding."""
     n, H = x2.shape
-    if quant is not None:
-        from .fp8_quant import check_targets
-
-        check_targets(quant, n, H, "rms_norm_bwd")
     if use_triton(x2):
         dx = torch.empty_like(x2)
         if n:
             block_r, block_h, warps = _tile(H)
-            if quant is not None and block_h < QBLOCK:  # (whole quantisation blocks a tile)
-                block_h = QBLOCK
             res = x2 if residual is None else residual
-            codes, scale_t = quant if quant is not None else (rstd, rstd)
             _rms_norm_bwd_kernel[(triton.cdiv(n, block_r),)](
-                dy2, x2, weight, rstd, dx, rstd, res,
-                codes.view(torch.uint8) if quant is not None else codes, scale_t, n, H,
-                dy2.stride(0), x2.stride(0), dx.stride(0), res.stride(0),
-                scale_t.stride(0) if quant is not None else 0, float(offset), BLOCK_R=block_r,
-                BLOCK_H=block_h, HAS_OFFSET=bool(offset), COMPUTE_DX=True, COMPUTE_DW=False,
-                HAS_RES=residual is not None, QUANT=quant is not None,
-                ROUND_FP32=not x2.is_cuda, num_warps=warps)
+                dy2, x2, weight, rstd, dx, rstd, res, n, H, dy2.stride(0), x2.stride(0),
+                dx.stride(0), res.stride(0), float(offset), BLOCK_R=block_r, BLOCK_H=block_h,
+                HAS_OFFSET=bool(offset), COMPUTE_DX=True, COMPUTE_DW=False,
+                HAS_RES=residual is not None, num_warps=warps)
         return dx
     xhat = x2.float() * rstd[:, None]
     g = dy2.float() * (weight.float() + offset)
@@ -308,9 +282,4 @@ def rms_norm_bwd(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, rstd
     dx = (g - xhat * c) * rstd[:, None]
     if residual is not None:
         dx = dx + residual.float()
-    dx = dx.to(x2.dtype)
-    if quant is not None:
-        from .fp8_quant import quantize_rows_reference
-
-        quantize_rows_reference(dx, *quant)
-    return dx
+    return dx.to(x2.dtype)

@@ -26,11 +26,10 @@
     GLU (--tokens x 14336) forward writing their output's e4m3 codes as they write it (the
     cuBLAS GEMM's input, kernels/fp8_quant.QuantizedRows) against the kernel alone and the
     kernel followed by the quantize_rows pass (LEANTUNE_FP8_FUSED_QUANT=0); codes checked equal.
-    Likewise the backward kernels that write an input-gradient GEMM's input (the GLU backward's
-    d gate | d up, with its low-rank terms as in the step; kernels/qkv_grad.py's d q | d k | d v
-    against the copies and RoPE pass it replaces), EngineOptions.fuse_grad_quant.
+    Likewise kernels/qkv_grad.py writing d q | d k | d v (the q/k/v input-gradient GEMM's input,
+    EngineOptions.fuse_grad_quant) against the copies and RoPE pass it replaces.
     In (b), --fused-quant on off runs each fp8 policy both ways (LEANTUNE_FP8_FUSED_QUANT),
-    --grad-quant on off with the input gradients' codes written by their kernels or not
+    --grad-quant on off with the q/k/v input gradient's codes written by qkv_grad or not
     (LEANTUNE_FUSE_GRAD_QUANT), and --trim on off each policy with offloaded layers trimmed of
     q/k/v or not (LEANTUNE_TRIM_OFFLOAD).
 (f) gate/up's LoRA terms in the GLU kernels (--parts glu; EngineOptions.fuse_glu_lora): ms of the
@@ -443,12 +442,14 @@ def decode_part(args, device) -> list[dict]:
 
 def quant_part(args, device) -> list[dict]:
     """(e) The norm and the GLU forward (the kernels whose outputs the q/k/v, gate/up and down
-    GEMMs read) at --tokens rows: alone, followed by the quantize_rows pass (fused quantisation
-    off), and writing the codes themselves (on; the carrier allocated in the timing, as in the
-    layer); the fused codes and scales checked equal to quantize_rows'."""
+    GEMMs read) and qkv_grad (d q | d k | d v for the q/k/v input-gradient GEMM; "alone": the
+    copies and RoPE pass it replaces) at --tokens rows: alone, followed by the quantize_rows
+    pass (fused quantisation off), and writing the codes themselves (on; the carrier allocated
+    in the timing, as in the layer); the fused codes and scales checked equal to
+    quantize_rows'."""
     from leantune.kernels.fp8_quant import QuantizedRows, quantize_rows
     from leantune.kernels.rmsnorm import rms_norm_fwd
-    from leantune.kernels.swiglu import ACTS, glu_bwd_, glu_fwd
+    from leantune.kernels.swiglu import ACTS, glu_fwd
 
     M = args.tokens
     H, inter = (128, 384) if args.tiny else (4096, 14336)  # (Llama-3.1-8B)
@@ -465,22 +466,6 @@ def quant_part(args, device) -> list[dict]:
     def glu(quant):
         glu_fwd(gu[:, :inter], gu[:, inter:], ACTS["silu"], out=h, quant=quant)
 
-    # the GLU backward (in place: on a copy, whose time is subtracted)
-    R = 32
-    lora = (torch.randn(M, R, device=device, dtype=dtype),
-            0.05 * torch.randn(inter, R, device=device, dtype=dtype),
-            0.05 * torch.randn(inter, R, device=device, dtype=dtype))
-    ga, a_down = (torch.randn(M, 16, device=device, dtype=dtype),
-                  0.05 * torch.randn(16, inter, device=device, dtype=dtype))
-    dgu, dh = gu.clone(), h.clone()
-
-    def glu_bwd(quant):
-        dgu.copy_(gu)
-        dh.copy_(h)
-        glu_bwd_(dh, dgu[:, :inter], dgu[:, inter:], ACTS["silu"], h_out=dh, lora=lora,
-                 dy_lora=(ga, a_down), quant=quant)
-
-    copies_ms = time_ms(lambda: (dgu.copy_(gu), dh.copy_(h)), device)
     # d q | d k | d v into the q/k/v gradient buffer through RoPE's backward (Llama-3.1-8B's 32
     # / 8 heads of 128): by hand (copies, RoPE in place) against kernels/qkv_grad.py
     from leantune.kernels.qkv_grad import qkv_grad
@@ -507,15 +492,11 @@ def quant_part(args, device) -> list[dict]:
     rows = []
     with kernels.backend("triton"):
         for name, run, out in (("rmsnorm", norm, y), ("glu", glu, h),
-                               ("glu_bwd", glu_bwd, dgu),
                                ("qkv_grad", qkv_fused, dqkv)):
             row = dict(kernel=name, M=M, K=out.shape[1])
-            less = copies_ms if name == "glu_bwd" else 0.0
-            row.update(alone_ms=time_ms(lambda: run(None), device) - less,
-                       then_quant_ms=time_ms(lambda: (run(None), quantize_rows(out)), device)
-                       - less,
-                       fused_ms=time_ms(lambda: run(QuantizedRows.empty(out).targets), device)
-                       - less)
+            row.update(alone_ms=time_ms(lambda: run(None), device),
+                       then_quant_ms=time_ms(lambda: (run(None), quantize_rows(out)), device),
+                       fused_ms=time_ms(lambda: run(QuantizedRows.empty(out).targets), device))
             q = QuantizedRows.empty(out)
             run(q.targets)
             codes, scale_t = quantize_rows(out)
@@ -526,24 +507,6 @@ def quant_part(args, device) -> list[dict]:
                 row["fused_no_codes_ms"] = time_ms(lambda: qkv_fused("none"), device)
             record("fp8_fused_quant", **row)
             rows.append(row)
-        # the GLU backward's tiles with and without the codes (--glu-tiles; LORA_TILES["bwd"])
-        import importlib
-
-        swiglu = importlib.import_module("leantune.kernels.swiglu")
-        default = dict(swiglu.LORA_TILES)
-        for tile in args.glu_tiles:
-            bm, bn, warps = (int(v) for v in tile.split("x"))
-            swiglu.LORA_TILES = dict(default, bwd=(bm, bn, warps))
-            row = dict(kernel=f"glu_bwd@{tile}", M=M, K=dgu.shape[1],
-                       alone_ms=time_ms(lambda: glu_bwd(None), device) - copies_ms,
-                       fused_ms=time_ms(lambda: glu_bwd(QuantizedRows.empty(dgu).targets),
-                                        device) - copies_ms)
-            row.update(then_quant_ms=row["alone_ms"] + rows[-1]["then_quant_ms"]
-                       - rows[-1]["alone_ms"], codes_equal=rows[-1]["codes_equal"])
-            row["saved_ms"] = row["then_quant_ms"] - row["fused_ms"]
-            record("fp8_fused_quant", **row)
-            rows.append(row)
-        swiglu.LORA_TILES = default
     return rows
 
 

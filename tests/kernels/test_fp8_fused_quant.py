@@ -1,5 +1,5 @@
 """FP8 activation quantisation fused into the kernels that produce the activation (issue 23):
-rms_norm_fwd and glu_fwd (and, for the input-gradient GEMMs, glu_bwd_ and qkv_grad) write
+rms_norm_fwd and glu_fwd (and, for the q/k/v input-gradient GEMM, kernels/qkv_grad) write
 their output's e4m3 codes and 1 x 128 block scales in quantize_rows' layout (equal to
 quantize_rows and to its reference bit for bit, the 16-bit output unchanged), and the fused
 layers hand them to the cuBLAS FP8 GEMMs (scaled mm emulated on the CPU) through
@@ -16,7 +16,7 @@ from leantune.kernels import fp8_gemm as gemm
 from leantune.kernels.fp8_quant import (ROW_ALIGN, QuantizedRows, quantize_rows,
                                         quantize_rows_reference, transpose_codes_reference)
 from leantune.kernels.rmsnorm import rms_norm_fwd
-from leantune.kernels.swiglu import ACTS, glu_bwd_, glu_fwd
+from leantune.kernels.swiglu import ACTS, glu_fwd
 
 M = 21  # rows: not a multiple of ROW_ALIGN (padded codes)
 
@@ -82,40 +82,6 @@ def test_glu_writes_the_codes_quantize_rows_would(inter, act, dtype, backend):
     _check_codes(q, h)
 
 
-@pytest.mark.parametrize("backend", ["triton", "reference"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("inter", [128, 384])
-@pytest.mark.parametrize("act,low_rank,tile", [("silu", True, None), ("silu", False, None),
-                                               ("gelu_tanh", True, None),
-                                               ("silu", True, (16, 256, 4))])
-def test_glu_bwd_writes_the_codes_of_d_gate_up(inter, act, low_rank, tile, dtype, backend,
-                                              monkeypatch):
-    """The GLU backward (both kernels: with the low-rank terms, at its default tile (one
-    128-block a row) and a wider one, and the rows kernel) writes d gate | d up's codes: the
-    gradients and the forward value h unchanged, the codes those of quantize_rows over
-    d gate | d up as stored."""
-    import importlib
-
-    swiglu = importlib.import_module("leantune.kernels.swiglu")  # (the module, not the op)
-    if tile is not None:
-        monkeypatch.setitem(swiglu.LORA_TILES, "bwd", tile)
-    g = torch.Generator().manual_seed(6)
-    gu0 = _x((M, 2 * inter), dtype, seed=2)
-    dy0 = _x((M, inter), dtype, seed=5, scale=1.0)
-    lora = ((torch.randn(M, 5, generator=g).to(dtype),
-             (torch.randn(inter, 5, generator=g) * 0.1).to(dtype),
-             (torch.randn(inter, 5, generator=g) * 0.1).to(dtype)) if low_rank else None)
-    with kernels.backend(backend):
-        gu, dy = gu0.clone(), dy0.clone()
-        glu_bwd_(dy, gu[:, :inter], gu[:, inter:], ACTS[act], h_out=dy, lora=lora)
-        gu_q, dy_q = gu0.clone(), dy0.clone()
-        q = QuantizedRows.empty(gu_q)
-        glu_bwd_(dy_q, gu_q[:, :inter], gu_q[:, inter:], ACTS[act], h_out=dy_q, lora=lora,
-                 quant=q.targets)
-    assert torch.equal(gu_q, gu) and torch.equal(dy_q, dy)
-    _check_codes(q, gu_q)
-
-
 def test_wrong_quant_buffers_are_one_clear_error():
     x = torch.randn(M, 128)
     q = QuantizedRows.empty(x)
@@ -123,12 +89,6 @@ def test_wrong_quant_buffers_are_one_clear_error():
         rms_norm_fwd(x, torch.ones(128), 1e-6, quant=(q.codes, q.scale_t))  # padded rows
     with pytest.raises(ValueError, match="glu_fwd: quant must be"):
         glu_fwd(x, x, ACTS["silu"], quant=(q.targets[0], q.targets[1].t()))
-    with pytest.raises(ValueError, match=r"glu_bwd_: quant must be .*\[21, 256\]"):
-        glu_bwd_(x, x, x.clone(), ACTS["silu"], quant=q.targets)  # d gate's alone
-    odd = torch.randn(M, 2 * 136)
-    with pytest.raises(ValueError, match="glu_bwd_: quant needs whole 1 x 128 blocks"):
-        glu_bwd_(odd[:, :136], odd[:, :136], odd[:, 136:], ACTS["silu"],
-                 quant=QuantizedRows.empty(odd).targets)
 
 
 def test_row_slices_of_the_carrier():
@@ -285,33 +245,24 @@ def test_fused_layers_bit_identical_with_fused_quant_on_and_off(family, chunk_ro
     assert handed_on == 3 * 2 + 2 + 1
 
 
-@pytest.mark.parametrize("family,chunk_rows,head_dim", [("llama", None, 64), ("gelu", 11, 64),
-                                                       ("llama", None, 128)])
-def test_fused_grad_quant_bit_identical_on_and_off(family, chunk_rows, head_dim, monkeypatch):
-    """The input-gradient GEMMs' carriers (EngineOptions.fuse_grad_quant; the GLU backward
-    writing d gate | d up's codes; with heads of 128, kernels/qkv_grad.py d q | d k | d v's):
-    loss and LoRA gradients bit-identical on and off, and on, those GEMMs quantise nothing of
-    their own. `chunk_rows` as above (a carrier each MLP chunk)."""
-    from helpers import chunk_options
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fused_grad_quant_bit_identical_on_and_off(head_dim, monkeypatch):
+    """The q/k/v input-gradient GEMM's carrier (EngineOptions.fuse_grad_quant: kernels/qkv_grad
+    writing d q | d k | d v's codes, heads of 128; none for heads of 64): loss and LoRA
+    gradients bit-identical on and off, and on, that GEMM quantises nothing of its own."""
     from leantune.engine import EngineOptions
-
-    def opts(on):
-        return (chunk_options(chunk_rows, intermediate=384, fuse_grad_quant=on) if chunk_rows
-                else EngineOptions(fuse_grad_quant=on))
 
     heads = {} if head_dim == 64 else dict(head_dim=head_dim, num_attention_heads=1,
                                             num_key_value_heads=1)
-    runs = _engine_runs(monkeypatch, family, {on: (opts(on), {}) for on in (True, False)},
-                        **heads)
+    runs = _engine_runs(monkeypatch, "llama", {on: (EngineOptions(fuse_grad_quant=on), {})
+                                               for on in (True, False)}, **heads)
     result_on, passes_on, fwd_on, grads_on = runs[True]
     result_off, passes_off, fwd_off, grads_off = runs[False]
     _assert_bit_identical(result_on, result_off)
     assert fwd_on == fwd_off > 0 and grads_off == 0
     assert passes_on == passes_off - grads_on
-    # per layer d gate | d up (a carrier each chunk); heads of 128: q/k/v's too, in the top
-    # layer (the bottom one needs no input gradient)
-    chunks = 2 if chunk_rows else 1
-    assert grads_on == 2 * chunks + (1 if head_dim == 128 else 0)
+    # heads of 128: q/k/v's, in the top layer (the bottom one needs no input gradient)
+    assert grads_on == (1 if head_dim == 128 else 0)
 
 
 def test_switch_off_and_other_paths_hand_over_nothing(monkeypatch):

@@ -33,9 +33,9 @@ On an FP8 base whose GEMMs run on cuBLAS, the norms before q/k/v and gate/up and
 before down write their output's e4m3 codes as they write it, in forward and in recompute
 (`_normed`, `_down_input`; ProjectionGroup.quantized_input), so those GEMMs run no quantisation
 pass of their own (LEANTUNE_FP8_FUSED_QUANT=0: they do; the results are bit-identical). In
-backward likewise the GLU backward writes d gate | d up's codes for gate/up's input-gradient
-GEMM, and kernels/qkv_grad.py d q | d k | d v's for q/k/v's (ProjectionGroup.quantized_grad,
-EngineOptions.fuse_grad_quant; bit-identical too). Where
+backward likewise kernels/qkv_grad.py writes d q | d k | d v's codes for q/k/v's
+input-gradient GEMM (ProjectionGroup.quantized_grad, EngineOptions.fuse_grad_quant;
+bit-identical too). Where
 gate/up's LoRA is not inside their GEMM (FP8, unpacked), the GLU kernels add its low-rank terms,
 and the GLU backward the down projection's dX term (`_gate_up`, EngineOptions.fuse_glu_lora): a
 kept gate | up is then the GEMM's output without them.
@@ -262,26 +262,21 @@ class FusedExecutor:
 
     @staticmethod
     def mlp_chunk_bytes(cfg, tokens: int, options: EngineOptions, itemsize: int = 2,
-                        forward: bool = False, expert_lora: bool = False,
-                        grad_codes: bool = False) -> int:
+                        forward: bool = False, expert_lora: bool = False) -> int:
         """The MLP row chunk's working bytes: in backward gate | up and the down projection's
-        input gradient (with `grad_codes`, an FP8 base's fuse_grad_quant: also d gate | d up's
-        e4m3 codes, one byte a value), in forward gate | up and the down projection's input
-        (chunks mlp_forward_chunk_factor times larger). A MoE layer's block runs whole: its
-        working set (engine/moe_layer.py; `expert_lora`: with LoRA on the experts), or a dense
-        layer's chunk where larger."""
+        input gradient, in forward gate | up and the down projection's input (chunks
+        mlp_forward_chunk_factor times larger). A MoE layer's block runs whole: its working set
+        (engine/moe_layer.py; `expert_lora`: with LoRA on the experts), or a dense layer's
+        chunk where larger."""
         if cfg.moe is not None:
             from .moe_layer import moe_working_bytes
 
-            dense = FusedExecutor.mlp_chunk_bytes(
-                replace(cfg, moe=None), tokens, options, itemsize, forward,
-                grad_codes=grad_codes) if cfg.moe.dense_layers else 0
+            dense = FusedExecutor.mlp_chunk_bytes(replace(cfg, moe=None), tokens, options,
+                                                  itemsize, forward) if cfg.moe.dense_layers else 0
             return max(dense, moe_working_bytes(cfg, tokens, itemsize, expert_lora))
         one = tokens * cfg.intermediate_size * itemsize  # one [tokens, intermediate] tensor
         limit = options.mlp_chunk_bytes * (options.mlp_forward_chunk_factor if forward else 1)
-        chunk = min(one, int(limit))
-        codes = 2 * chunk // itemsize if grad_codes and not forward else 0  # [rows, 2 I] e4m3
-        return 3 * chunk + codes
+        return 3 * min(one, int(limit))
 
     @staticmethod
     def qk_norm_bytes(cfg, tokens: int, itemsize: int = 2) -> int:
@@ -651,20 +646,16 @@ class _LayerRun:
                 ddown = self._through_out_norm("mlp_out", self._down_out(gu, lora), ddown)
             # (fuse_dx: da without its LoRA term ga A, which the GLU kernel adds)
             da, ga = self.down.input_grad(ddown, add_ga=not self.fuse_dx)
-            # d gate | d up's codes, where the GLU backward can write them (whole 1 x 128
-            # blocks each side) and the gate/up GEMM reads codes
-            guq = self.gu.quantized_grad(gu) if inter % 128 == 0 else None
             # gate, up <- d gate, d up in place; da <- act(gate) * up, the down projection's input
             glu_bwd_(da, gu[:, :inter], gu[:, inter:], self.act, h_out=da, lora=lora,
-                     dy_lora=(ga, self.down.a) if self.fuse_dx else None,
-                     quant=None if guq is None else guq.targets)
+                     dy_lora=(ga, self.down.a) if self.fuse_dx else None)
             self.down.lora_grads(da, ddown, ga, grads,
                                  None if xa_down is None else xa_down[rows])
             del ddown
             del da, ga
             self.gu.backward(X2[rows], gu, grads, out=dxn2[rows],
-                             xa=None if lora is None else lora[0], dyq=guq)
-            del gu, lora, guq
+                             xa=None if lora is None else lora[0])
+            del gu, lora
         del xq2
         dxn2 = dxn2[:, :H]
         post = self.layer.norm("mlp_in")

@@ -51,10 +51,9 @@ class EngineOptions:
     fuse_lora_add: where a projection's LoRA term is not inside its GEMM (an FP8 base, the
         unpacked o projection), one kernel adds it and the residual to the GEMM's output
         (kernels/lora_add.py) instead of a residual pass and one addmm_ per projection.
-    fuse_grad_quant: where an FP8 base's input-gradient GEMM runs on cuBLAS (which reads e4m3
-        codes), the kernels that write its output gradient (the GLU backward for gate/up,
-        kernels/qkv_grad.py for q/k/v) write the codes too, instead of a quantisation pass of
-        the GEMM's own over the gradient.
+    fuse_grad_quant: where an FP8 base's q/k/v input-gradient GEMM runs on cuBLAS (which reads
+        e4m3 codes), kernels/qkv_grad.py writes its input's codes too (with fuse_qkv_grad),
+        instead of a quantisation pass of the GEMM's own over the gradient.
     fuse_qkv_grad: attention's d q, d k, d v go into the q/k/v group's gradient buffer through
         RoPE's backward in one pass (kernels/qkv_grad.py; with an FP8 base, writing the codes
         its input-gradient GEMM reads) instead of three copies and an in-place RoPE pass (full

@@ -211,8 +211,7 @@ def trim_for_link(w: Workload, plans: list[LayerPlan]) -> list[LayerPlan]:
 
 def mlp_chunk_bytes(w: Workload, forward: bool = False) -> int:
     return FusedExecutor.mlp_chunk_bytes(w.cfg, w.tokens, w.options, w.itemsize, forward,
-                                         w.expert_lora,
-                                         grad_codes=w.fp8 and w.options.fuse_grad_quant)
+                                         w.expert_lora)
 
 
 def working_set_bytes(w: Workload) -> float:

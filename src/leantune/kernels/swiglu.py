@@ -15,8 +15,7 @@ silently using overwritten values.
 glu_fwd can also write its output's e4m3 codes and 1 x 128 block scales (`quant`: the buffers of
 a kernels/fp8_quant.QuantizedRows, for the cuBLAS FP8 down projection that reads it next),
 quantised in the same program from the rounded values it stores: equal to quantize_rows(out)
-bit for bit, without that pass over out. glu_bwd_ likewise writes d gate | d up's (for the
-gate/up input-gradient GEMM that reads them next).
+bit for bit, without that pass over out.
 
 Both also take a low-rank term (`lora`: the gate/up projections' LoRA where it is not inside
 their GEMM, as on an FP8 base): gate + xa Bg^T and up + xa Bu^T, xa [n, R] = x A^T, computed in
@@ -127,47 +126,10 @@ if triton is not None:
             tl.store(ST + kb * stride_s + row, sc, mask=kb * 128 < cols)
 
     @triton.jit
-    def _store_grad_codes(Q, ST, dg, du, rm, rn, mask_m, mask, cols, stride_s, pid_n,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          ROUND_FP32: tl.constexpr):
-        """The e4m3 codes and 1 x 128 block scales of a [BLOCK_M, BLOCK_N] tile of d gate (dg)
-        and d up (du), as stored, into the quantisation of d gate | d up [rows, 2 cols]: codes
-        Q [rows, 2 cols] (contiguous uint8; d up from column `cols`), scales ST
-        [2 cols / 128, rows] (row stride stride_s). Column tile pid_n, BLOCK_N a multiple of
-        128 and cols too (whole blocks on each side)."""
-        NB: tl.constexpr = BLOCK_N // 128
-        if NB == 1:  # one block a row: reduce the tile's rows as they are (no reshape)
-            kb = pid_n  # (< cols / 128: the grid's column tiles, cols a multiple of 128)
-            smask = mask_m
-            qg, sg = quantize_block(dg.to(tl.float32), 1, ROUND_FP32)
-            tl.store(Q + rm[:, None] * 2 * cols + rn[None, :], qg, mask=mask)
-            tl.store(ST + kb * stride_s + rm, sg, mask=smask)
-            qu, su = quantize_block(du.to(tl.float32), 1, ROUND_FP32)
-            tl.store(Q + rm[:, None] * 2 * cols + cols + rn[None, :], qu, mask=mask)
-            tl.store(ST + (kb + cols // 128) * stride_s + rm, su, mask=smask)
-        else:
-            kb = pid_n * NB + tl.arange(0, NB)
-            smask = mask_m[:, None] & (kb * 128 < cols)[None, :]
-            qg, sg = quantize_block(tl.reshape(dg.to(tl.float32), (BLOCK_M, NB, 128)), 2,
-                                    ROUND_FP32)
-            tl.store(Q + rm[:, None] * 2 * cols + rn[None, :],
-                     tl.reshape(qg, (BLOCK_M, BLOCK_N)), mask=mask)
-            tl.store(ST + kb[None, :] * stride_s + rm[:, None], sg, mask=smask)
-            qu, su = quantize_block(tl.reshape(du.to(tl.float32), (BLOCK_M, NB, 128)), 2,
-                                    ROUND_FP32)
-            tl.store(Q + rm[:, None] * 2 * cols + cols + rn[None, :],
-                     tl.reshape(qu, (BLOCK_M, BLOCK_N)), mask=mask)
-            tl.store(ST + (kb[None, :] + cols // 128) * stride_s + rm[:, None], su, mask=smask)
-
-    @triton.jit
-    def _glu_bwd_rows_kernel(DY, G, U, H, Q, ST, cols, stride_dy, stride_g, stride_u, stride_h,
-                             stride_s, ACT: tl.constexpr, BLOCK: tl.constexpr,
-                             WRITE_H: tl.constexpr, QUANT: tl.constexpr,
-                             ROUND_FP32: tl.constexpr):
+    def _glu_bwd_rows_kernel(DY, G, U, H, cols, stride_dy, stride_g, stride_u, stride_h,
+                             ACT: tl.constexpr, BLOCK: tl.constexpr, WRITE_H: tl.constexpr):
         """G <- d gate, U <- d up in place; with WRITE_H also H <- act(g) * u (H may alias DY:
-        each element is read before it is written). QUANT: d gate | d up's e4m3 codes into Q
-        [rows, 2 cols] and 1 x 128 block scales into ST [2 cols / 128, rows] (_store_grad_codes;
-        BLOCK a multiple of 128)."""
+        each element is read before it is written)."""
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < cols
@@ -175,17 +137,10 @@ if triton is not None:
         g = tl.load(G + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(U + row * stride_u + offs, mask=mask, other=0.0).to(tl.float32)
         a, da = _act_and_grad(g, ACT)
-        dg = (dy * u * da).to(G.dtype.element_ty)
-        du = (dy * a).to(U.dtype.element_ty)
-        tl.store(G + row * stride_g + offs, dg, mask=mask)
-        tl.store(U + row * stride_u + offs, du, mask=mask)
+        tl.store(G + row * stride_g + offs, (dy * u * da).to(G.dtype.element_ty), mask=mask)
+        tl.store(U + row * stride_u + offs, (dy * a).to(U.dtype.element_ty), mask=mask)
         if WRITE_H:
             tl.store(H + row * stride_h + offs, (a * u).to(H.dtype.element_ty), mask=mask)
-        if QUANT:  # (one row: a 1-row tile)
-            rm = row + tl.arange(0, 1)
-            _store_grad_codes(Q, ST, tl.reshape(dg, (1, BLOCK)), tl.reshape(du, (1, BLOCK)), rm,
-                              offs, rm >= 0, mask[None, :], cols, stride_s,
-                              tl.program_id(1), 1, BLOCK, ROUND_FP32)
 
 
 if triton is not None:
@@ -255,14 +210,11 @@ if triton is not None:
                              BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                              BLOCK_RD: tl.constexpr, IEEE: tl.constexpr, DOT16: tl.constexpr,
                              WRITE_H: tl.constexpr, GU_TERMS: tl.constexpr,
-                             DY_TERM: tl.constexpr, Q, ST, stride_s, QUANT: tl.constexpr,
-                             ROUND_FP32: tl.constexpr):
+                             DY_TERM: tl.constexpr):
         """G <- d g', U <- d u' in place (the gradients of the gate / up outputs, with
         GU_TERMS their LoRA terms included in g', u'), H <- act(g') * u' with WRITE_H (H may
         alias DY: the tile is read first). DY_TERM: dy' = dy + GA AD, the down projection's
-        input gradient with its LoRA term (GA [rows, RD], AD [RD, cols]). QUANT: d g' | d u''s
-        e4m3 codes into Q [rows, 2 cols] and 1 x 128 block scales into ST [2 cols / 128, rows]
-        (row stride stride_s), from the values stored (BLOCK_N a multiple of 128)."""
+        input gradient with its LoRA term (GA [rows, RD], AD [RD, cols])."""
         rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         if GU_TERMS:
@@ -289,16 +241,13 @@ if triton is not None:
             else:
                 dy += tl.dot(ga.to(tl.float32), ad.to(tl.float32), input_precision="tf32")
         a, da = _act_and_grad(g, ACT)
-        dg = (dy * u * da).to(G.dtype.element_ty)
-        du = (dy * a).to(U.dtype.element_ty)
-        tl.store(G + rm[:, None] * stride_g + rn[None, :], dg, mask=mask)
-        tl.store(U + rm[:, None] * stride_u + rn[None, :], du, mask=mask)
+        tl.store(G + rm[:, None] * stride_g + rn[None, :], (dy * u * da).to(G.dtype.element_ty),
+                 mask=mask)
+        tl.store(U + rm[:, None] * stride_u + rn[None, :], (dy * a).to(U.dtype.element_ty),
+                 mask=mask)
         if WRITE_H:
             tl.store(H + rm[:, None] * stride_h + rn[None, :], (a * u).to(H.dtype.element_ty),
                      mask=mask)
-        if QUANT:
-            _store_grad_codes(Q, ST, dg, du, rm, rn, rm < rows, mask, cols, stride_s,
-                              tl.program_id(1), BLOCK_M, BLOCK_N, ROUND_FP32)
 
 
 # The most low-rank columns the kernels take (a tile holds [BLOCK_M, R] and 2 x [R, BLOCK_N]; the
@@ -510,8 +459,7 @@ def glu_fwd(gate: torch.Tensor, up: torch.Tensor, act: int,
 def glu_bwd_(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int,
              h_out: torch.Tensor | None = None,
              lora: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-             dy_lora: tuple[torch.Tensor, torch.Tensor] | None = None,
-             quant: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+             dy_lora: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Backward of glu_fwd IN PLACE: gate <- d gate, up <- d up ([n, I], rows may be strided).
 
     With `h_out` also writes the forward value act(gate) * up there (bit-identical to glu_fwd),
@@ -519,20 +467,8 @@ def glu_bwd_(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int,
     glu_fwd's: gate and up hold the outputs without their LoRA terms, which go in here too (the
     gradients written are those of the outputs with them, the same for both). `dy_lora`:
     (ga [n, Rd], a [Rd, I]): dy + ga a is the output's gradient (the down projection's input
-    gradient, whose LoRA term ga A is added here instead of in a pass of its own). `quant`:
-    (codes e4m3 [n, 2 I], scale_t fp32 [2 I / 128, n]; the targets of a
-    kernels/fp8_quant.QuantizedRows over d gate | d up, I a multiple of 128), written with the
-    1 x 128 block quantisation of d gate | d up as stored, equal to quantize_rows(torch.cat(
-    [gate, up], 1)) after the call bit for bit: for the cuBLAS FP8 input-gradient GEMM of the
-    packed gate/up weight, which then runs no quantisation pass."""
+    gradient, whose LoRA term ga A is added here instead of in a pass of its own)."""
     _check_rows(dy, gate, up, *([h_out] if h_out is not None else []))
-    if quant is not None:
-        from .fp8_quant import check_targets
-
-        if gate.shape[1] % 128:
-            raise ValueError(f"glu_bwd_: quant needs whole 1 x 128 blocks on each side of "
-                             f"d gate | d up: I = {gate.shape[1]} is not a multiple of 128")
-        check_targets(quant, gate.shape[0], 2 * gate.shape[1], "glu_bwd_")
     if lora is not None:
         _check_lora(lora, gate)
     if dy_lora is not None:
@@ -550,29 +486,21 @@ def glu_bwd_(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int,
             R = xa.shape[1] if lora is not None else 0
             RD = ga.shape[1] if dy_lora is not None else 0
             h = gate if h_out is None else h_out
-            codes, scale_t = quant if quant is not None else (gate, gate)
             grid, meta = _lora_launch(gate, R, "bwd")
             _glu_lora_bwd_kernel[grid](
                 dy, gate, up, h, xa, bg, bu, ga, a, gate.shape[0], gate.shape[1], R, RD,
                 dy.stride(0), gate.stride(0), up.stride(0), h.stride(0), xa.stride(0),
                 bg.stride(0), bu.stride(0), ga.stride(0), a.stride(0), ACT=act,
                 BLOCK_RD=max(16, triton.next_power_of_2(RD)), WRITE_H=h_out is not None,
-                GU_TERMS=lora is not None, DY_TERM=dy_lora is not None,
-                Q=codes.view(torch.uint8) if quant is not None else codes, ST=scale_t,
-                stride_s=scale_t.stride(0) if quant is not None else 0,
-                QUANT=quant is not None, ROUND_FP32=not gate.is_cuda, **meta)
+                GU_TERMS=lora is not None, DY_TERM=dy_lora is not None, **meta)
         return
     if use_triton(gate):
         n, cols = gate.shape
         if n and cols:
             h = gate if h_out is None else h_out
-            codes, scale_t = quant if quant is not None else (gate, gate)
             _glu_bwd_rows_kernel[(n, triton.cdiv(cols, _BLOCK))](
-                dy, gate, up, h, codes.view(torch.uint8) if quant is not None else codes,
-                scale_t, cols, dy.stride(0), gate.stride(0), up.stride(0), h.stride(0),
-                scale_t.stride(0) if quant is not None else 0, ACT=act, BLOCK=_BLOCK,
-                WRITE_H=h_out is not None, QUANT=quant is not None,
-                ROUND_FP32=not gate.is_cuda, num_warps=_NUM_WARPS)
+                dy, gate, up, h, cols, dy.stride(0), gate.stride(0), up.stride(0), h.stride(0),
+                ACT=act, BLOCK=_BLOCK, WRITE_H=h_out is not None, num_warps=_NUM_WARPS)
         return
     g0, uf = _with_lora_reference(gate, up, lora)
     with torch.enable_grad():
@@ -588,7 +516,3 @@ def glu_bwd_(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int,
     up.copy_(dyf * a)
     if h is not None:
         h_out.copy_(h)
-    if quant is not None:
-        from .fp8_quant import quantize_rows_reference
-
-        quantize_rows_reference(torch.cat([gate, up], 1), *quant)

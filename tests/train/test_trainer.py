@@ -464,3 +464,28 @@ def test_token_ids_outside_the_vocabulary_are_a_one_line_error(tiny_ckpt, alpaca
     cfg = make_cfg(tiny_ckpt, alpaca_file, tmp_path / "run", max_steps=1)
     with pytest.raises(LeantuneError, match=f"training data: document 1 holds token id {V + 7}"):
         Trainer(cfg, model=model, train_data=docs, log=quiet)
+
+
+def test_tokens_per_s_counts_training_time_only(tiny_ckpt, alpaca_file, tmp_path,  # noqa: F811
+                                                monkeypatch):
+    """tokens_per_s (and the ETA) start when training starts: the evaluation before the first
+    step (here made 1 s long) is not counted as training time."""
+    import time
+
+    from helpers import train_cfg
+
+    cfg = train_cfg(tiny_ckpt, alpaca_file, tmp_path / "run", max_steps=2, eval_fraction=0.2)
+    trainer = Trainer(cfg)
+    real = trainer.evaluate_metrics
+
+    def slow_eval():
+        out = real()
+        if trainer.step == 0:
+            time.sleep(1.0)
+        return out
+
+    monkeypatch.setattr(trainer, "evaluate_metrics", slow_eval)
+    trainer.train()
+    first = next(r for r in read_metrics(tmp_path / "run") if "loss" in r)
+    # one step's tokens over its own time (not over that time plus the second of evaluation)
+    assert first["tokens_per_s"] > 0.5 * first["tokens_seen"] / first["step_time_s"]

@@ -214,6 +214,9 @@ class StepRunner:
             batches = (batch for _, _, batch in self.loader.iter_batches())
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
+            # tokens/s and the ETA from here: the set-up, the first evaluation and samples
+            # above are not training time
+            t_start = time.perf_counter()
             while self.step < self.total_steps:
                 t0 = time.perf_counter()
                 # where this step starts: an interrupt before it ends checkpoints from here

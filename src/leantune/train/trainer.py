@@ -356,9 +356,12 @@ class Trainer(StepRunner):
             cfg = self.cfg
             old, new = (cfg.lr * lr_factor(self.step, cfg.warmup_steps, n, cfg.schedule)
                         for n in (before, self.total_steps))
+            digits = next((d for d in (3, 6) if f"{new:.{d}g}" != f"{old:.{d}g}"), None)
+            change = (f"gets learning rate {new:.{digits}g} (was {old:.{digits}g})" if digits
+                      else f"keeps learning rate {new:.3g}")
             self.log(f"the run now has {self.total_steps} optimizer steps (it was started with "
                      f"{before}): the {cfg.schedule} schedule runs over {self.total_steps} steps, "
-                     f"so step {self.step + 1} gets learning rate {new:.3g} (was {old:.3g})")
+                     f"so step {self.step + 1} {change}")
 
     # --- what a run keeps ------------------------------------------------------------------------
     def run_settings(self) -> dict:

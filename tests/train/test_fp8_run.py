@@ -51,7 +51,9 @@ def test_cli_fp8_trains_records_and_exports_onto_the_16bit_model(tiny_ckpt, alpa
     rc, stdout, _ = run_cli(capsys, "train", "--model", tiny_ckpt, "--data", alpaca_file,
                             "--output", out, "--max-steps", "2", "--precision", "fp8", *FAST)
     assert rc == 0 and "FP8: quantising the decoder's linear weights" in stdout
-    assert json.loads((out / "run_config.json").read_text())["config"]["precision"] == "fp8"
+    assert "emulated in PyTorch, LEANTUNE_FP8_EMULATE: slow" in stdout  # (said, and recorded)
+    settings = json.loads((out / "run_config.json").read_text())
+    assert settings["config"]["precision"] == "fp8" and settings["fp8_emulated"] is True
     rc, _, _ = run_cli(capsys, "export", "--model", tiny_ckpt, "--adapter", out,
                        "--output", tmp_path / "merged")
     assert rc == 0 and (tmp_path / "merged" / "config.json").exists()

@@ -30,6 +30,7 @@ from ..lora.params import count_parameters
 from ..utils.words import count
 from ..model.config import ModelConfig
 from ..model.loader import DTYPES, build_empty, default_dtype, load_model, resolve_checkpoint
+from ..kernels.fp8 import emulating as fp8_emulating
 from ..lora.base_weight import check_precision, quantize_fp8_
 from ..utils.io import save_pretrained_safely
 from ..utils.paths import check_output_folder
@@ -82,7 +83,9 @@ class Trainer(StepRunner):
                 self.log(f"model: loading {cfg.model}" + (
                     " (4-bit NF4: quantising the decoder's linear weights as they load)"
                     if cfg.load_in_4bit and not self.prequantized else "") + (
-                    " (FP8: quantising the decoder's linear weights to e4m3 as they load)"
+                    " (FP8: quantising the decoder's linear weights to e4m3 as they load"
+                    + ("; its GEMMs emulated in PyTorch, LEANTUNE_FP8_EMULATE: slow)"
+                       if fp8_emulating() else ")")
                     if cfg.precision == "fp8" else ""))
                 model = load_model(weights, dtype=self.dtype, device=self.device,
                                    load_in_4bit=cfg.load_in_4bit, precision=cfg.precision)
@@ -371,6 +374,8 @@ class Trainer(StepRunner):
                 "activations": self.activation_policy,
                 # the detected data format: generate/chat ask in the layout trained on
                 "data_format": getattr(getattr(self, "train_data", None), "format", None),
+                # --precision fp8 through the PyTorch emulation (LEANTUNE_FP8_EMULATE)
+                "fp8_emulated": self.cfg.precision == "fp8" and fp8_emulating(),
                 "base_fingerprint": model_fingerprint(self.model)}  # lora/base_check.py
 
     def save_checkpoint(self) -> Path:

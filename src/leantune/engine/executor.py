@@ -590,7 +590,7 @@ class _LayerRun:
         # d q | d k | d v side by side: the q/k/v group's input gradient is one GEMM
         dqkv = dq.new_empty(N, sum(self.qkv.outs))
         dqkvq = None
-        if (q_raw is None and at.rotary_dim is None and self.ex.options.fuse_qkv_grad):
+        if q_raw is None and at.rotary_dim is None and self.ex.options.fuse_qkv_grad:
             # one pass: the copies, RoPE's backward and (FP8) the codes the GEMM reads
             dqkvq = (self.qkv.quantized_grad(dqkv) if need_dx and quantizable(at.head_dim)
                      else None)

@@ -150,8 +150,9 @@ def test_a_finished_run_resumes_to_nothing_and_extends(tiny_ckpt, alpaca_file, t
     rc, out, err = train(capsys, *args, "--max-steps", 4, "--resume")
     assert rc == 0, err
     assert "resumed from" in out and "step-00000002" in out
+    # (step 3 is still in the warmup of both schedules: the same learning rate, said so)
     assert ("the run now has 4 optimizer steps (it was started with 2): the cosine schedule "
-            "runs over 4 steps, so step 3 gets learning rate") in out
+            "runs over 4 steps, so step 3 keeps learning rate") in out
     assert [r["step"] for r in read_metrics(out_dir)] == [1, 2, 3, 4]
     assert (out_dir / "checkpoints" / "step-00000004").is_dir()
     assert (out_dir / "adapter_model.safetensors").read_bytes() != adapter

@@ -55,6 +55,8 @@ class EngineSettings:
     trim_offload: bool = True
     fuse_glu_lora: bool = True
     fuse_lora_add: bool = True
+    fuse_grad_quant: bool = True
+    fuse_qkv_grad: bool = True
 
     def build(self) -> EngineOptions:
         """The checked EngineOptions of these settings (a bad value: one line)."""

@@ -116,7 +116,7 @@ class WeightSource:
     def mm_t(self, i: int, dy: torch.Tensor, out: torch.Tensor | None = None,
              accumulate: bool = False) -> torch.Tensor:
         """dy W_i for projection i alone, into `out` (added to it with `accumulate`)."""
-        return DenseBase(self.dense(i)).mm_t(plain(dy), out=out, accumulate=accumulate)
+        return DenseBase(self.dense(i)).mm_t(dy, out=out, accumulate=accumulate)
 
 
 class ScratchPool:
@@ -234,10 +234,11 @@ class FP8Source(WeightSource):
         return base.mm(x if base.kind == "fp8" else plain(x), out=out, resid=resid)
 
     def mm_t(self, i, dy, out=None, accumulate=False):
-        """(dy: the output gradient, or its QuantizedRows, which only FP8 bases read)"""
+        """(dy: the output gradient, or its QuantizedRows where the base is FP8:
+        quantized_grad)"""
         base = self.mods[i].base
         if base.kind != "fp8":
-            return base.mm_t(plain(dy), out=out, accumulate=accumulate)
+            return base.mm_t(dy, out=out, accumulate=accumulate)
         return base.mm_t(dy, out=out, accumulate=accumulate,
                          scratch=fp8_dx_scratch(self.pool, base.shape, base.device))
 

@@ -30,7 +30,7 @@ try:
     import triton
     import triton.language as tl
 
-    from .fp8_quant import round_to_e4m3
+    from .fp8_quant import quantize_block, round_to_e4m3
     from .rope import token_cos_sin
 except ImportError:  # the package works without Triton (reference path only)
     triton = None
@@ -69,33 +69,29 @@ if triton is not None:
                HALF: tl.constexpr, ROUND_FP32: tl.constexpr):
         """The e4m3 codes of heads [BLOCK_H] whose halves y1, y2 (fp32 [BLOCK_H, BLOCK_D], as
         stored) start at column col0 + h * 2 HALF of the token's row of W columns: one 1 x 128
-        block a head (HALF 64: amax over both halves) or one a half (HALF 128), its scale at
-        block blk0 + (the head's blocks). The operations of fp8_quant.quantize_block."""
+        block a head (HALF 64: amax over both halves) or one a half (HALF 128:
+        fp8_quant.quantize_block on each), its scale at block blk0 + (the head's blocks)."""
         m = mh[:, None] & dmask[None, :]
-        if HALF == 64:
-            amax = tl.maximum(tl.max(tl.abs(y1), axis=1), tl.max(tl.abs(y2), axis=1))
-            s = tl.where(amax > 0, amax / 448.0, 1.0)
-            inv = tl.where(amax > 0, (1.0 / tl.where(amax > 0, amax, 1.0)) * 448.0, 1.0)
-            inv1 = inv
-            inv2 = inv
-            tl.store(ST + (blk0 + h) * stride_s + tok, s, mask=mh)
-        else:  # (HALF 128: each half its own block)
-            a1 = tl.max(tl.abs(y1), axis=1)
-            a2 = tl.max(tl.abs(y2), axis=1)
-            inv1 = tl.where(a1 > 0, (1.0 / tl.where(a1 > 0, a1, 1.0)) * 448.0, 1.0)
-            inv2 = tl.where(a2 > 0, (1.0 / tl.where(a2 > 0, a2, 1.0)) * 448.0, 1.0)
-            tl.store(ST + (blk0 + 2 * h) * stride_s + tok, tl.where(a1 > 0, a1 / 448.0, 1.0),
-                     mask=mh)
-            tl.store(ST + (blk0 + 2 * h + 1) * stride_s + tok,
-                     tl.where(a2 > 0, a2 / 448.0, 1.0), mask=mh)
-        q1 = tl.clamp(y1 * inv1[:, None], -448.0, 448.0)
-        q2 = tl.clamp(y2 * inv2[:, None], -448.0, 448.0)
-        if ROUND_FP32:
-            q1 = round_to_e4m3(q1)
-            q2 = round_to_e4m3(q2)
         p = Q + tok * W + col0 + h[:, None] * (2 * HALF) + d[None, :]
-        tl.store(p, q1.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=m)
-        tl.store(p + HALF, q2.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=m)
+        if HALF == 64:  # (quantize_block's operations, over the two halves together)
+            amax = tl.maximum(tl.max(tl.abs(y1), axis=1), tl.max(tl.abs(y2), axis=1))
+            inv = tl.where(amax > 0, (1.0 / tl.where(amax > 0, amax, 1.0)) * 448.0, 1.0)
+            q1 = tl.clamp(y1 * inv[:, None], -448.0, 448.0)
+            q2 = tl.clamp(y2 * inv[:, None], -448.0, 448.0)
+            if ROUND_FP32:
+                q1 = round_to_e4m3(q1)
+                q2 = round_to_e4m3(q2)
+            tl.store(p, q1.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=m)
+            tl.store(p + HALF, q2.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=m)
+            tl.store(ST + (blk0 + h) * stride_s + tok, tl.where(amax > 0, amax / 448.0, 1.0),
+                     mask=mh)
+        else:
+            q1, s1 = quantize_block(y1, 1, ROUND_FP32)
+            q2, s2 = quantize_block(y2, 1, ROUND_FP32)
+            tl.store(p, q1, mask=m)
+            tl.store(p + HALF, q2, mask=m)
+            tl.store(ST + (blk0 + 2 * h) * stride_s + tok, s1, mask=mh)
+            tl.store(ST + (blk0 + 2 * h + 1) * stride_s + tok, s2, mask=mh)
 
     @triton.jit
     def _heads(X, OUT, Q, ST, tok, b, t, H, sx_b, sx_t, sx_h, stride_o, col0, blk0, W, stride_s,

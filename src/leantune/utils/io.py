@@ -108,21 +108,13 @@ def _create_tmp(path: Path) -> Path:
         return tmp
 
 
-def _umask() -> int:
-    """The process's umask (read by setting it and putting it back)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def _finish_tmp(tmp: Path) -> None:
-    """fsync the written temporary file, with the mode a new file gets (0o666 less the umask):
-    a library that wrote it by its own rename (safetensors' save_file since 0.8 does) leaves
-    it 0o600, which would keep other users (a server) from reading an export. Not through a
-    link (O_NOFOLLOW)."""
+def _finish_tmp(tmp: Path, mode: int) -> None:
+    """fsync the written temporary file, with `mode`, the one it was created with (0o666 less
+    the umask): a library that wrote it by its own rename (safetensors' save_file since 0.8
+    does) leaves it 0o600, which would keep other users (a server) from reading an export. Not
+    through a link (O_NOFOLLOW)."""
     fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW)
     try:
-        mode = 0o666 & ~_umask()
         if os.fstat(fd).st_mode & 0o777 != mode:
             os.fchmod(fd, mode)
         os.fsync(fd)
@@ -167,10 +159,11 @@ def atomic_path(path: str | os.PathLike, root: str | os.PathLike | None = None):
     path = Path(path)
     refuse_links(path.parent, root)
     tmp = _create_tmp(path)
+    mode = tmp.lstat().st_mode & 0o777  # (0o666 less the umask)
     try:
         faults.point(f"write {path.name}")
         yield tmp
-        _finish_tmp(tmp)
+        _finish_tmp(tmp, mode)
         replace(tmp, path)
         fsync_dir(path.parent)
     finally:

@@ -84,6 +84,21 @@ def test_resume_keeps_the_precision(tiny_ckpt, alpaca_file, tmp_path, capsys, em
     assert rc == 0, err
 
 
+def test_resume_without_fp8_units_names_what_resumes(tiny_ckpt, alpaca_file, tmp_path, capsys,  # noqa: F811
+                                                     monkeypatch, emulate):
+    """An fp8 run resumed where FP8 cannot run: the refusal does not advise --precision bf16
+    (which the resume check would then refuse), but an FP8 GPU or the emulation."""
+    out = tmp_path / "run"
+    args = ["train", "--model", tiny_ckpt, "--data", alpaca_file, "--output", out, *FAST]
+    assert run_cli(capsys, *args, "--max-steps", "2", "--precision", "fp8")[0] == 0
+    monkeypatch.delenv("LEANTUNE_FP8_EMULATE")
+    msg = cli_error(capsys, *args, "--max-steps", "3", "--resume", "--precision", "fp8")
+    assert "no FP8 matrix units" in msg and "resumes only with it" in msg
+    assert "LEANTUNE_FP8_EMULATE=1" in msg and "use --precision bf16" not in msg
+    msg = cli_error(capsys, *args, "--max-steps", "3", "--precision", "fp8", "--overwrite")
+    assert "use --precision bf16" in msg  # (a new run may still change precision)
+
+
 def test_load_model_refuses_what_the_cli_refuses(tiny_ckpt, monkeypatch):  # noqa: F811
     """The Python API checks `precision` as the CLI does: an unknown value, fp8 with
     load_in_4bit, and fp8 on a device without FP8 matrix units (not emulating) are one line

@@ -200,13 +200,18 @@ def stack_fp8_groups(model) -> int:
 
 
 def check_precision(precision: str, device: torch.device, prequantized: bool = False,
-                    sharded: bool = False) -> None:
+                    sharded: bool = False, resuming: bool = False) -> None:
     """The one-line refusal of a --precision the run cannot take (fp8: on a device without FP8
-    matrix units unless emulating, on a 4-bit checkpoint, under FSDP2)."""
+    matrix units unless emulating, on a 4-bit checkpoint, under FSDP2). `resuming`: a --resume
+    must keep the run's precision, so the hint names what does run it instead of bf16."""
     if precision != "fp8":
         return
     why = fp8_unsupported(device)
     if why:
+        if resuming:  # (--resume refuses another --precision: say what resumes this run)
+            why = why.rsplit("; use --precision bf16", 1)[0] + (
+                "; this run trained with --precision fp8 and resumes only with it: resume on "
+                "an FP8 GPU, or with LEANTUNE_FP8_EMULATE=1 (slow)")
         raise LeantuneError(f"--precision fp8: {why}")
     if prequantized:
         raise LeantuneError("--precision fp8 quantises a 16-bit checkpoint's projections as they "

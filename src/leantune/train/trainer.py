@@ -70,7 +70,8 @@ class Trainer(StepRunner):
         model_config = model.config if model is not None else ModelConfig.from_file(
             model_dir / "config.json")
         self.parallel.choose(cfg, model_config, self.dtype, self.log)
-        check_precision(cfg.precision, self.device, self.prequantized, self.parallel.sharded)
+        check_precision(cfg.precision, self.device, self.prequantized, self.parallel.sharded,
+                        resuming=bool(cfg.resume))
         if model is None:
             four_bit = cfg.load_in_4bit or self.prequantized
             if self.parallel.sharded and four_bit:
@@ -136,7 +137,8 @@ class Trainer(StepRunner):
                 check_source(path, flag)
         check_report_to(cfg.report_to)
         check_merge_at_end(cfg)
-        check_precision(cfg.precision, self.device)  # (the device now; the checkpoint later)
+        # (the device now; the checkpoint later)
+        check_precision(cfg.precision, self.device, resuming=bool(cfg.resume))
         model_dir = None
         if model is None or (tokenizer is None and train_data is None):
             if not cfg.model:

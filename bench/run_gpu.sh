@@ -22,6 +22,8 @@
 #          fp8-fq (the FP8 activation quantisation fused into the norms / GLU: those kernels
 #          with and without it, and the 8B fp8 steps with LEANTUNE_FP8_FUSED_QUANT on and off)
 #          softcap (Gemma 2's soft-capped attention: Triton kernels vs the PyTorch query blocks)
+#          stream (streamed base weights: bit-identical on/off, the copies' cost; the 8B and
+#          Phi-4 steps at their budgets with --stream-weights and without) (stream-phi4: Phi-4)
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-bench-out}; export OUT; mkdir -p "$OUT"
@@ -96,6 +98,13 @@ for p in $parts; do
              timeout ${FP8_LIMIT:-480} python bench/gpu_fp8.py --parts quant step --bf16 auto@17 \
                --fp8 auto@12 --grad-quant on off on 2>&1 | tee -a "$OUT/log.txt" \
                | grep -v "^{" | tail -n 16 ;;
+    stream)  # streamed base weights: on/off bit for bit and the copies' cost (1B), then the
+             # 8B step at 17 GiB and Phi-4 at 31 (with transformers + PEFT) with and without
+             timeout 200 python bench/gpu_stream.py 2>&1 | tee -a "$OUT/log.txt" | grep -v "^{" \
+               | tail -n 9
+             speed llama-3.1-8b 200 auto@17 auto@17+stream --no-baseline ;;&
+    stream|stream-phi4)
+             speed phi-4 300 auto@31+stream auto@31 ;;
     softcap) timeout 400 python bench/gpu_softcap.py ${SOFTCAP_ARGS:-} 2>&1 | tee -a "$OUT/log.txt" \
                | grep -v "^{" | tail -n 40 ;;
     dist)    timeout 170 torchrun --nproc_per_node 1 bench/dist_speed.py --shape llama-3.1-8b \

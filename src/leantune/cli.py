@@ -179,6 +179,10 @@ def _train_parser(sub) -> None:
                    help="offloaded layers always keep q/k/v (by default, where their copies "
                         "would outrun the forward, the fewest needed project q/k/v again in "
                         "backward instead of making the forward wait on the host link)")
+    e.add_argument("--stream-weights", dest="stream_weights", action="store_true", default=None,
+                   help="where the memory budget forces recompute, let the planner keep some "
+                        "layers' frozen base weights in pinned host memory, copied to the GPU a "
+                        "layer ahead of each use, so more layers keep their activations")
     a("--log-every", type=int, help="log every N steps (default 1)")
     a("--report-to", help="also send metrics to tensorboard (OUTPUT/tensorboard), wandb, or both "
                           "(comma list); default none")

@@ -19,6 +19,7 @@ from .attention import AttentionBackend
 from .executor import (CheckpointExecutor, FusedExecutor, Keep, LayerPlan, fused_unsupported,
                        has_expert_lora, lora_ranks)
 from .options import EngineOptions
+from .weight_stream import WeightStream, layer_weight_bytes, streamable
 from .weights import DenseWeights, pack_layer
 
 
@@ -31,6 +32,7 @@ class Engine:
         self.store = ActivationStore()
         self.weights = DenseWeights(self.options)
         self.attention = AttentionBackend(self.options)
+        self.stream: WeightStream | None = None  # streamed base weights (stream_weights)
 
     def fused_unsupported(self, model) -> str | None:
         """Why the model's layers can't take the fused path (None if they can)."""
@@ -49,7 +51,9 @@ class Engine:
         if plan is None:
             return None
         if self.options.fused_layers and fused_unsupported(layer) is None:
-            return FusedExecutor(plan, self.store, self.weights, self.attention, self.options)
+            ex = FusedExecutor(plan, self.store, self.weights, self.attention, self.options)
+            ex.stream = self.stream
+            return ex
         return CheckpointExecutor(plan) if plan.keep < Keep.ALL else None
 
     def attach(self, model, plans: list) -> None:
@@ -68,6 +72,53 @@ class Engine:
         for layer in model.layers:
             if fused_unsupported(layer) is None:
                 pack_layer(layer, self.weights)
+
+    # --- streamed base weights (engine/weight_stream.py) ---------------------------------------
+    def streamable(self, model) -> list[int]:
+        """The layers whose base weights could stream: the fused path takes them, 16-bit,
+        packed, dense."""
+        if not self.options.fused_layers:
+            return []
+        return [i for i, layer in enumerate(model.layers)
+                if fused_unsupported(layer) is None and streamable(layer, self.weights) is None]
+
+    def layer_weight_bytes(self, model) -> int:
+        """The largest streamable layer's packed base weights (what a slot holds)."""
+        ok = self.streamable(model)
+        return max((layer_weight_bytes(model.layers[i], self.weights) for i in ok), default=0)
+
+    def stream_weights(self, model, indices: list[int]) -> WeightStream | None:
+        """Layers `indices`' base weights to pinned host memory, streamed back one layer ahead
+        of each use (after `attach`: their executors must be fused). None for no layers."""
+        if not indices:
+            return None
+        if self.stream is not None:
+            raise RuntimeError("the model's weights stream already; unstream first")
+        layers = list(model.layers)
+        for i in indices:
+            if getattr(layers[i].executor, "kind", None) != "fused":
+                raise ValueError(f"layer {i} is not on the fused path: its weights cannot "
+                                 "stream")
+        device = layers[indices[0]].self_attn.q_proj.weight.device
+        stream = WeightStream(device)
+        stream.offload([layers[i] for i in indices], layers, self.weights)
+        stream.hook(layers)
+        self.stream = stream
+        for layer in layers:
+            if getattr(layer.executor, "kind", None) == "fused":
+                layer.executor.stream = stream
+        return stream
+
+    def unstream(self, model) -> None:
+        """Every streamed base weight back on the GPU (the end of training: export and
+        generation read the weights directly)."""
+        if self.stream is None:
+            return
+        self.stream.unstream()
+        self.stream = None
+        for layer in model.layers:
+            if getattr(layer.executor, "kind", None) == "fused":
+                layer.executor.stream = None
 
     @staticmethod
     def plans(model) -> list:
@@ -97,5 +148,6 @@ def compile_layers(model, **kwargs) -> None:
 
 
 __all__ = ["ActivationStore", "AttentionBackend", "CheckpointExecutor", "DenseWeights", "Engine",
-           "EngineOptions", "FusedExecutor", "Keep", "LayerPlan", "attach", "compile_layers",
+           "EngineOptions", "FusedExecutor", "Keep", "LayerPlan", "WeightStream", "attach",
+           "compile_layers",
            "detach", "fused_unsupported", "has_expert_lora", "lora_ranks"]

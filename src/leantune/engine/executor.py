@@ -233,6 +233,7 @@ class FusedExecutor:
                  attention: AttentionBackend, options: EngineOptions):
         self.plan, self.store, self.weights = plan, store, weights
         self.attention, self.options = attention, options
+        self.stream = None  # the engine's WeightStream where base weights stream from the host
 
     def __call__(self, layer, x, cos, sin, meta: AttentionMeta) -> torch.Tensor:
         if isinstance(layer.mlp, MoEBlock):
@@ -540,6 +541,20 @@ class _LayerRun:
     # --- backward ----------------------------------------------------------------------------
     def backward(self, dout: torch.Tensor, need_dx: bool = True
                  ) -> tuple[torch.Tensor | None, dict]:
+        stream = self.ex.stream
+        if stream is None:
+            return self._backward(dout, need_dx)
+        # streamed base weights: this layer's back in its slot (the one below's copy started);
+        # the slot's copy brought the host buffer's LoRA columns, so they are written again
+        with stream.using(self.layer, -1):
+            if stream.streams(self.layer):
+                for g in (self.qkv, self.gu, self.down):
+                    if g is not None and g.lora_in_gemm:
+                        g.source.write_lora_columns(g.in_f, g.cols)
+            return self._backward(dout, need_dx)
+
+    def _backward(self, dout: torch.Tensor, need_dx: bool
+                  ) -> tuple[torch.Tensor | None, dict]:
         B, T, H = self.shape
         N = B * T
         store = self.ex.store

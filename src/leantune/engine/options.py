@@ -57,7 +57,11 @@ class EngineOptions:
     fuse_qkv_grad: attention's d q, d k, d v go into the q/k/v group's gradient buffer through
         RoPE's backward in one pass (kernels/qkv_grad.py; with an FP8 base, writing the codes
         its input-gradient GEMM reads) instead of three copies and an in-place RoPE pass (full
-        rotary, no q/k norm)."""
+        rotary, no q/k norm).
+    stream_weights: where the memory budget forces recompute, the planner may move some layers'
+        frozen 16-bit base weights to pinned host memory, copied back to the GPU one layer ahead
+        of each use (engine/weight_stream.py; engine/planner.plan_streaming), so that more
+        layers keep their activations."""
 
     kernels: str = "auto"
     fused_layers: bool = True
@@ -73,6 +77,7 @@ class EngineOptions:
     fuse_lora_add: bool = True
     fuse_grad_quant: bool = True
     fuse_qkv_grad: bool = True
+    stream_weights: bool = False
 
     def __post_init__(self):
         if self.kernels not in KERNELS:

@@ -461,6 +461,75 @@ def least_plan_bytes(w: Workload, host_bytes: float | None = None) -> int:
     return math.ceil(plan_peak_bytes(w, leanest, chunk))
 
 
+# Streamed base weights (engine/weight_stream.py): the planner streams k layers only where its
+# time model gains at least this fraction of a step over streaming none.
+STREAM_MIN_GAIN = 0.01
+
+
+def stream_cost_seconds(w: Workload, plans: list[LayerPlan], k: int,
+                        layer_bytes: float) -> float:
+    """The planner's time model of a plan with k layers' base weights streamed: its recompute,
+    plus any time the weight copies (host -> device) outrun the passes they overlap. Each
+    forward (and a preference objective's reference pass) copies k layers beside compute that
+    does not use that direction of the link; backward copies them beside the offloaded
+    activations coming back, over about twice a forward plus the recompute."""
+    rate = FP8_FWD_FLOPS_PER_S if w.fp8 else FWD_FLOPS_PER_S
+    recompute = recompute_flops(w, plans) / rate
+    link = w.options.link_bytes_per_s
+    fwd = forward_seconds(w)
+    passes = 2 if w.reference_pass else 1
+    over_fwd = passes * max(0.0, k * layer_bytes / link - fwd)
+    offloaded = sum(plan_kept_bytes(w, p) for p in plans if p is not None and p.offload)
+    over_bwd = max(0.0, (k * layer_bytes + offloaded) / link - (2 * fwd + recompute))
+    return recompute + over_fwd + over_bwd
+
+
+def plan_streaming(w: Workload, budget_bytes: float, fixed_bytes: float, layer_bytes: float,
+                   streamable: list[int], host_bytes: float | None = None
+                   ) -> tuple[MemoryPlan, list[int]]:
+    """The fastest plan_memory plan with k of the `streamable` layers' base weights (each
+    `layer_bytes`, what `fixed_bytes` holds now) streamed from pinned host memory: the fixed
+    bytes lose k layers' weights and gain two slots. k = 0, 2, 4, ... up to half the layers
+    (each copy then overlaps at least one other layer's compute), where the host has room;
+    streamed layers are spread evenly (weight_stream.stream_positions). Returns the plan and
+    the streamed layers' indices ([] where streaming gains less than STREAM_MIN_GAIN of a step
+    in stream_cost_seconds, or cannot run: autograd path, generation inside the step). Where
+    no k fits the budget, BudgetTooSmall as plan_memory's (for k = 0)."""
+    from .weight_stream import stream_positions
+
+    L = w.cfg.num_hidden_layers
+    host = host_memory_bytes() if host_bytes is None else host_bytes
+    most = 0
+    if not w.autograd and w.generation is None and layer_bytes > 0:
+        most = min(len(streamable), L // 2)
+    first = None
+    best = None
+    for k in [0, *range(2, most + 1, 2)]:
+        fixed = fixed_bytes - k * layer_bytes + (2 * layer_bytes if k else 0)
+        if k and k * layer_bytes > host / 2:
+            break
+        try:
+            mem = plan_memory(w, budget_bytes, fixed, host_bytes)
+        except BudgetTooSmall as e:
+            first = first or e
+            continue
+        cost = stream_cost_seconds(w, mem.layers, k, layer_bytes)
+        if best is None or cost < best[0]:
+            best = (cost, k, mem)
+    if best is None:
+        raise first
+    cost, k, mem = best
+    if k:
+        try:
+            base = stream_cost_seconds(w, plan_memory(w, budget_bytes, fixed_bytes,
+                                                      host_bytes).layers, 0, layer_bytes)
+        except BudgetTooSmall:
+            base = math.inf
+        if base - cost < STREAM_MIN_GAIN * 3 * forward_seconds(w):
+            return plan_memory(w, budget_bytes, fixed_bytes, host_bytes), []
+    return mem, [streamable[i] for i in stream_positions(len(streamable), k)]
+
+
 POLICIES = ("auto", "keep", "recompute", "offload")
 
 

@@ -57,6 +57,7 @@ class EngineSettings:
     fuse_lora_add: bool = True
     fuse_grad_quant: bool = True
     fuse_qkv_grad: bool = True
+    stream_weights: bool = False
 
     def build(self) -> EngineOptions:
         """The checked EngineOptions of these settings (a bad value: one line)."""

@@ -295,6 +295,9 @@ class StepRunner:
         finally:
             progress.close()
             metrics.close()
+            # streamed base weights back on the GPU: what the caller does next (export,
+            # generate) reads the weights directly
+            self.engine.unstream(self.model)
         self.save_final()
         elapsed = time.perf_counter() - t_start
         if writer:

@@ -187,7 +187,7 @@ class Trainer(StepRunner):
         from .. import kernels
         from ..engine import Engine, compile_layers, has_expert_lora, lora_ranks
         from ..engine.planner import (BudgetTooSmall, Workload, describe, gpu_budget_bytes,
-                                      plan_memory, policy_plans)
+                                      plan_memory, plan_streaming, policy_plans)
 
         cfg, m = self.cfg, self.model
         if cfg.full:
@@ -235,16 +235,25 @@ class Trainer(StepRunner):
                         shared_prompt=getattr(self.objective, "shared_prompt", False),
                         fp8=cfg.precision == "fp8")
         policy = cfg.activations
+        streamed: list[int] = []  # layers whose base weights stream from the host
         if policy == "auto" and cuda:
             fixed = self._fixed_bytes()
             budget = gpu_budget_bytes(self.device, cfg.max_memory_gib)
+            candidates, layer_bytes = self._streamable(options, autograd_why)
             try:
-                mem = plan_memory(work, budget, fixed, host_bytes=self.parallel.host_bytes())
+                if candidates:
+                    mem, streamed = plan_streaming(work, budget, fixed, layer_bytes, candidates,
+                                                   host_bytes=self.parallel.host_bytes())
+                else:
+                    mem = plan_memory(work, budget, fixed, host_bytes=self.parallel.host_bytes())
             except BudgetTooSmall as e:
                 raise LeantuneError(budget_message(cfg, budget, e)) from None
             plans = mem.layers
             m.loss_chunk_bytes = mem.loss_chunk_bytes
             policy = f"auto ({describe(plans)})"
+            if streamed:
+                policy += (f"; base weights of {len(streamed)} layers streamed from pinned host "
+                           f"memory ({len(streamed) * layer_bytes / 2**30:.2f} GiB)")
         else:
             if policy == "auto":
                 policy = "keep"
@@ -262,12 +271,26 @@ class Trainer(StepRunner):
             compile_layers(m)  # compiled layers run plainly, keeping every activation
         else:
             self.engine.attach(m, plans)
+            if streamed:
+                self.engine.stream_weights(m, streamed)
+                torch.cuda.empty_cache()  # (the streamed layers' GPU buffers went back)
         self.activation_policy = policy
         m.train()
         n_train, n_all = count_parameters(m, self.params)  # (4-bit weights: their real count)
         self.log(f"trainable parameters: {n_train:,} of {n_all:,} ({100 * n_train / n_all:.2f}%)"
                  f"  [{'full' if cfg.full else 'LoRA r=%d' % cfg.lora.r}, {self.dtype}, "
                  f"{self.device}, activations: {policy}]")
+
+    def _streamable(self, options, autograd_why) -> tuple[list[int], int]:
+        """The layers whose base weights the planner may stream (engine/weight_stream.py), and
+        the bytes each gives up: with EngineOptions.stream_weights, in one process (DDP and
+        FSDP2 hold every parameter on the GPU), on the fused path, 16-bit packed dense layers
+        only; ([], 0) otherwise."""
+        if (not options.stream_weights or autograd_why is not None or self.cfg.full
+                or self.parallel.kind is not None):
+            return [], 0
+        ok = self.engine.streamable(self.model)
+        return ok, self.engine.layer_weight_bytes(self.model) if ok else 0
 
     def _setup_router_aux_loss(self) -> None:
         """--router-aux-loss-coef > 0: the model also returns the router's load-balancing loss,

@@ -1,0 +1,197 @@
+"""Streamed base weights (engine/weight_stream.py; EngineOptions.stream_weights): some layers'
+frozen weights live in host buffers and come into two shared slots one layer ahead of use.
+
+On the CPU the copies are synchronous, so these tests check the bookkeeping: the loss and LoRA
+gradients are bit-identical to the same engine without streaming (fp32, both kernel backends,
+every keep level, offload), over several steps (the slots' LoRA columns rewritten after each
+copy, after B changes), the no-grad plain path (a preference objective's reference pass with
+the adapters off) too; modules never stay pointed at a slot; the slots take turns and the next
+layer's copy starts ahead; unstream gives every layer its own buffer back; a streamed layer run
+under autograd outside the fused path is refused; and the planner's choice of k."""
+
+import pytest
+import torch
+
+from helpers import CONFIGS, loss_and_grads, model_for, packed_batch
+from leantune import kernels
+from leantune.engine import Engine, EngineOptions, LayerPlan, detach
+from leantune.engine.planner import (BudgetTooSmall, Workload, plan_memory, plan_streaming,
+                                     recompute_flops, stream_cost_seconds)
+from leantune.engine.weight_stream import stream_positions
+from leantune.model.config import ModelConfig
+
+CFG = dict(CONFIGS["llama"], num_hidden_layers=5)
+PLANS = [LayerPlan(0), LayerPlan(1, offload=True), LayerPlan(2), LayerPlan(1),
+         LayerPlan(2, offload=True)]
+
+
+def _engine(model, streamed, **options):
+    detach(model)
+    engine = Engine(EngineOptions(**options))
+    engine.pack(model)
+    engine.attach(model, PLANS)
+    engine.stream_weights(model, streamed)
+    return engine
+
+
+def _steps(model, n=3, lr=0.05):
+    """n forward/backward passes, with an SGD step on the LoRA weights between them (so B and
+    the packed LoRA columns change): each pass's loss and gradients."""
+    out = []
+    params = [p for p in model.parameters() if p.requires_grad]
+    for _ in range(n):
+        loss, grads = loss_and_grads(model, packed_batch())
+        out.append((loss, grads))
+        with torch.no_grad():
+            for p, g in zip(params, grads):
+                p.sub_(lr * g)
+    return out
+
+
+@pytest.mark.parametrize("backend,streamed", [("triton", [1, 3]), ("reference", [0, 2, 4]),
+                                              ("reference", [4])])
+def test_streaming_is_bit_identical(backend, streamed):
+    with kernels.backend(backend):
+        plain = model_for(CFG)
+        _engine(plain, [])
+        want = _steps(plain)
+        model = model_for(CFG)
+        engine = _engine(model, streamed)
+        got = _steps(model)
+    for (l1, g1), (l2, g2) in zip(want, got):
+        assert torch.equal(l1, l2)
+        assert all(torch.equal(a, b) for a, b in zip(g1, g2))
+    stream = engine.stream
+    assert stream.copies > 0
+    for i in streamed:  # between passes every streamed module reads its host buffer
+        for g in stream.groups[id(model.layers[i])]:
+            for m in g.mods:
+                assert m.weight.untyped_storage().data_ptr() == g.host.untyped_storage().data_ptr()
+    assert stream.current is None
+
+
+def test_slots_take_turns_and_copies_start_ahead():
+    model = model_for(CFG)
+    engine = _engine(model, [0, 2, 4])
+    stream = engine.stream
+    seen = []
+    real = stream._fill
+
+    def fill(layer):
+        seen.append((list(model.layers).index(layer), stream.order[id(layer)] % 2))
+        return real(layer)
+
+    stream._fill = fill
+    loss_and_grads(model, packed_batch())
+    streamed = [i for i, _ in seen]
+    # forward: 0 (resident at its turn, 2 started ahead), 2, then 4 started while 2 runs;
+    # backward starts with 4 and 2 still in their slots, so the first copy back is 0's
+    assert streamed[:3] == [0, 2, 4] or streamed[:2] == [0, 2]
+    assert {slot for i, slot in seen if i == 2} == {1} and {slot for i, slot in seen
+                                                           if i in (0, 4)} == {0}
+    fwd_copies = stream.copies
+    assert fwd_copies >= 3
+
+
+def test_reference_pass_no_grad_plain_path():
+    """The no-grad forward with the adapters off (a preference objective's reference pass) runs
+    the plain layer path: its modules read the slots for the call, and the result equals the
+    unstreamed model's bit for bit."""
+    from leantune.lora import adapters_disabled
+
+    plain, model = model_for(CFG), model_for(CFG)
+    _engine(plain, [])
+    engine = _engine(model, [1, 3])
+    batch = packed_batch()
+    with torch.no_grad(), adapters_disabled(plain):
+        want = plain(batch=batch, loss_only=True).loss_sum
+    with torch.no_grad(), adapters_disabled(model):
+        got = model(batch=batch, loss_only=True).loss_sum
+    assert torch.equal(want, got) and engine.stream.current is None
+
+
+def test_unstream_restores_the_model():
+    plain, model = model_for(CFG), model_for(CFG)
+    _engine(plain, [])
+    engine = _engine(model, [1, 3])
+    engine.unstream(model)
+    assert engine.stream is None
+    for a, b in zip(plain.state_dict().values(), model.state_dict().values()):
+        assert torch.equal(a, b)
+    # each module's own storage again (no slot, no shared host buffer between layers)
+    ptrs = {model.layers[i].mlp.down_proj.weight.untyped_storage().data_ptr() for i in (1, 3)}
+    assert len(ptrs) == 2
+    detach(model)  # plain autograd runs again (no hook left to refuse it)
+    detach(plain)
+    torch.testing.assert_close(loss_and_grads(model, packed_batch()),
+                               loss_and_grads(plain, packed_batch()), rtol=0, atol=0)
+
+
+def test_autograd_outside_the_fused_path_is_refused():
+    model = model_for(CFG)
+    _engine(model, [1])
+    model.layers[1].executor = None  # as if the layer ran plain autograd
+    with pytest.raises(RuntimeError, match="outside the fused path"):
+        loss_and_grads(model, packed_batch())
+
+
+def test_stream_positions_spread():
+    assert stream_positions(32, 0) == []
+    assert stream_positions(32, 4) == [4, 12, 20, 28]
+    p = stream_positions(40, 20)
+    assert len(p) == 20 and all(b - a == 2 for a, b in zip(p, p[1:]))
+    assert stream_positions(5, 9) == [0, 1, 2, 3, 4]
+
+
+# --- the planner ---------------------------------------------------------------------------
+def _work(layers=32, **kw):
+    """The Llama-3.1-8B shape at 8192 tokens (the planner's numbers only: nothing allocated)."""
+    cfg = ModelConfig.from_dict(dict(CONFIGS["llama"], hidden_size=4096, intermediate_size=14336,
+                                     num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                                     num_hidden_layers=layers, vocab_size=128256))
+    return Workload(cfg, 8192, 2, lora_ranks=112, **kw)
+
+
+LAYER = 436 * 2**20  # Llama-3.1-8B's packed bf16 layer
+FIXED = 15.6 * 2**30
+HOST = 256 * 2**30
+
+
+def test_planner_streams_where_the_budget_forces_recompute():
+    w = _work()
+    tight = 17 * 2**30
+    base = plan_memory(w, tight, FIXED, HOST)
+    mem, streamed = plan_streaming(w, tight, FIXED, LAYER, list(range(32)), HOST)
+    assert streamed and len(streamed) % 2 == 0 and len(streamed) <= 16
+    assert recompute_flops(w, mem.layers) < recompute_flops(w, base.layers)
+    assert (stream_cost_seconds(w, mem.layers, len(streamed), LAYER)
+            < stream_cost_seconds(w, base.layers, 0, LAYER))
+    assert streamed == stream_positions(32, len(streamed))
+
+
+def test_planner_does_not_stream_where_everything_fits():
+    w = _work()
+    mem, streamed = plan_streaming(w, 60 * 2**30, FIXED, LAYER, list(range(32)), HOST)
+    assert streamed == [] and recompute_flops(w, mem.layers) == 0
+
+
+def test_planner_streaming_rescues_a_budget_too_small():
+    w = _work()
+    least = FIXED + 0.8 * 2**30  # below the leanest plan without streaming
+    with pytest.raises(BudgetTooSmall):
+        plan_memory(w, least, FIXED, HOST)
+    mem, streamed = plan_streaming(w, least, FIXED, LAYER, list(range(32)), HOST)
+    assert streamed
+
+
+def test_planner_respects_host_memory_and_streamable_layers():
+    w = _work()
+    tight = 17 * 2**30
+    _, none = plan_streaming(w, 20 * 2**30, FIXED, LAYER, list(range(32)), host_bytes=3 * LAYER)
+    assert none == []  # (two layers' weights would take more than half the host's memory)
+    only = [5, 6, 7, 8]
+    _, some = plan_streaming(w, tight, FIXED, LAYER, only, HOST)
+    assert set(some) <= set(only)
+    _, off = plan_streaming(_work(autograd=True), 30 * 2**30, FIXED, LAYER, list(range(32)),
+                            HOST)
+    assert off == []

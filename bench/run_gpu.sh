@@ -23,7 +23,8 @@
 #          with and without it, and the 8B fp8 steps with LEANTUNE_FP8_FUSED_QUANT on and off)
 #          softcap (Gemma 2's soft-capped attention: Triton kernels vs the PyTorch query blocks)
 #          stream (streamed base weights: bit-identical on/off, the copies' cost; the 8B and
-#          Phi-4 steps at their budgets with --stream-weights and without) (stream-phi4: Phi-4)
+#          Phi-4 steps at their budgets with --stream-weights and without) (stream-phi4: Phi-4;
+#          stream-dpo: issue 20's DPO step with LEANTUNE_STREAM_WEIGHTS=1 and 0)
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-bench-out}; export OUT; mkdir -p "$OUT"
@@ -104,7 +105,11 @@ for p in $parts; do
                | tail -n 9
              speed llama-3.1-8b 200 auto@17 auto@17+stream --no-baseline ;;&
     stream|stream-phi4)
-             speed phi-4 300 auto@31+stream auto@31 ;;
+             speed phi-4 300 auto@31+stream auto@31 ;;&
+    stream-dpo)  # issue 20's DPO step (reference each step) with streamed weights and without
+             for s in 1 0; do LEANTUNE_STREAM_WEIGHTS=$s timeout 250 python bench/gpu_preference.py \
+               --no-baseline --shared on 2>&1 | tee -a "$OUT/log.txt" | grep -v "^{" \
+               | grep -v -i warn | tail -n 5; done ;;
     softcap) timeout 400 python bench/gpu_softcap.py ${SOFTCAP_ARGS:-} 2>&1 | tee -a "$OUT/log.txt" \
                | grep -v "^{" | tail -n 40 ;;
     dist)    timeout 170 torchrun --nproc_per_node 1 bench/dist_speed.py --shape llama-3.1-8b \

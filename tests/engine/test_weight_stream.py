@@ -12,7 +12,8 @@ under autograd outside the fused path is refused; and the planner's choice of k.
 import pytest
 import torch
 
-from helpers import CONFIGS, loss_and_grads, model_for, packed_batch
+from helpers import (CONFIGS, alpaca_file, loss_and_grads, model_for, packed_batch,  # noqa: F401
+                     tiny_ckpt)
 from leantune import kernels
 from leantune.engine import Engine, EngineOptions, LayerPlan, detach
 from leantune.engine.planner import (BudgetTooSmall, Workload, plan_memory, plan_streaming,
@@ -195,3 +196,20 @@ def test_planner_respects_host_memory_and_streamable_layers():
     _, off = plan_streaming(_work(autograd=True), 30 * 2**30, FIXED, LAYER, list(range(32)),
                             HOST)
     assert off == []
+
+
+def test_cli_flag_is_saved_and_said_to_be_ignored_off_cuda(tiny_ckpt, alpaca_file, tmp_path,  # noqa: F811
+                                                          capsys):
+    """`--stream-weights` reaches the engine options (run_config.json); on the CPU, where the
+    planner does not run, the run says the flag does nothing there."""
+    import json
+
+    from helpers import FAST, run_cli
+
+    out = tmp_path / "run"
+    rc, text, err = run_cli(capsys, "train", "--model", tiny_ckpt, "--data", alpaca_file,
+                            "--output", out, *FAST, "--max-steps", "1", "--stream-weights")
+    assert rc == 0, err
+    assert "--stream-weights is for --activations auto on a CUDA device" in text + err
+    saved = json.loads((out / "run_config.json").read_text())
+    assert saved["engine_options"]["stream_weights"] is True

@@ -255,6 +255,9 @@ class Trainer(StepRunner):
                 policy += (f"; base weights of {len(streamed)} layers streamed from pinned host "
                            f"memory ({len(streamed) * layer_bytes / 2**30:.2f} GiB)")
         else:
+            if options.stream_weights:
+                self.log("note: --stream-weights is for --activations auto on a CUDA device (the "
+                         "planner decides which layers' weights stream); ignored here")
             if policy == "auto":
                 policy = "keep"
             if policy == "offload" and not cuda:

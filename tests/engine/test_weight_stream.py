@@ -213,3 +213,22 @@ def test_cli_flag_is_saved_and_said_to_be_ignored_off_cuda(tiny_ckpt, alpaca_fil
     assert "--stream-weights is for --activations auto on a CUDA device" in text + err
     saved = json.loads((out / "run_config.json").read_text())
     assert saved["engine_options"]["stream_weights"] is True
+
+
+def test_generation_on_a_streamed_model():
+    """Decoding mid-training (the sample prompts) on a model whose weights stream: the packed
+    decode projections leave the streamed layers alone (their modules read the slots per call),
+    and the tokens equal the unstreamed model's."""
+    from leantune.generate.decode import decode
+    from leantune.generate.projections import DecodeProjections
+
+    plain, model = model_for(CFG), model_for(CFG)
+    _engine(plain, [])
+    _engine(model, [1, 3])
+    # (on a GPU a packed group would hold the host buffer, or a slot another layer takes over)
+    per_layer = DecodeProjections(plain).packed_groups // 5
+    assert per_layer and DecodeProjections(model).packed_groups == 3 * per_layer
+    prompts = [[1, 5, 9, 2], [7, 3]]
+    want = [d.token_ids for d in decode(plain, prompts, 6, cuda_graphs=False)]
+    got = [d.token_ids for d in decode(model, prompts, 6, cuda_graphs=False)]
+    assert got == want

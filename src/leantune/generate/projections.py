@@ -282,6 +282,9 @@ class DecodeProjections:
                     or getattr(layer, "_compiled_call_impl", None) is not None):
                 continue  # MoE layers, layers under torch.compile (--compile): the plain path
             weights = getattr(layer.executor, "weights", None) if mode == "packed" else None
+            stream = getattr(layer.executor, "stream", None)
+            if stream is not None and stream.streams(layer):  # base weights streamed from the
+                weights = None  # host (engine/weight_stream.py): read per call, as "precast"
             qkv, o, gu, down = layer_groups(layer)
             done = set()
             fp8 = mode == "packed"  # (FP8 groups: with or without an engine)

@@ -71,6 +71,52 @@ def test_streaming_is_bit_identical(backend, streamed):
     assert stream.current is None
 
 
+def test_groups_of_one_shape_get_their_own_slot_buffers():
+    """intermediate 48 = 4 heads x 12: q/k/v's and gate/up's packed weights are both [96, 64];
+    each group still has a buffer of its own in a slot (keyed by role, not shape alone)."""
+    cfg = dict(CFG, intermediate_size=48)
+    with kernels.backend("reference"):
+        plain = model_for(cfg)
+        _engine(plain, [])
+        want = _steps(plain, 2)
+        model = model_for(cfg)
+        engine = _engine(model, [1, 3])
+        got = _steps(model, 2)
+    for (l1, g1), (l2, g2) in zip(want, got):
+        assert torch.equal(l1, l2) and all(torch.equal(a, b) for a, b in zip(g1, g2))
+    assert len(engine.stream.slots[0]) == 4
+
+
+def test_every_packed_group_reads_its_slot():
+    """The fused forward's groups (q/k/v, gate/up and down, packed with their LoRA columns)
+    read the slot itself: no private GPU copy of a streamed layer's weights lives from its
+    forward to its backward."""
+    from leantune.engine import executor as ex
+
+    model = model_for(CFG)
+    engine = _engine(model, [1, 3])
+    stream = engine.stream
+    runs = []
+    real = ex._LayerRun.forward
+
+    def forward(self, x):
+        out = real(self, x)
+        runs.append(self)
+        return out
+
+    ex._LayerRun.forward = forward
+    try:
+        loss = model(batch=packed_batch(), loss_only=True).loss_sum
+    finally:
+        ex._LayerRun.forward = real
+    slots = {b.untyped_storage().data_ptr() for s in stream.slots for b in s.values()}
+    for run in runs:
+        if stream.streams(run.layer):
+            for g in (run.qkv, run.gu, run.down):
+                assert g.source.packed.untyped_storage().data_ptr() in slots
+    loss.backward()
+
+
 def test_slots_take_turns_and_copies_start_ahead():
     model = model_for(CFG)
     engine = _engine(model, [0, 2, 4])

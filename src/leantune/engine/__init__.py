@@ -77,6 +77,8 @@ class Engine:
     def streamable(self, model) -> list[int]:
         """The layers whose base weights could stream: the fused path takes them, 16-bit,
         packed, dense."""
+        if self.stream is not None:
+            raise RuntimeError("the model's weights stream already (ask before streaming)")
         if not self.options.fused_layers:
             return []
         return [i for i, layer in enumerate(model.layers)

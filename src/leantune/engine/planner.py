@@ -506,13 +506,17 @@ def plan_streaming(w: Workload, budget_bytes: float, fixed_bytes: float, layer_b
     best = None
     for k in [0, *range(2, most + 1, 2)]:
         fixed = fixed_bytes - k * layer_bytes + (2 * layer_bytes if k else 0)
-        if k and k * layer_bytes > host / 2:
-            break
         try:
             mem = plan_memory(w, budget_bytes, fixed, host_bytes)
         except BudgetTooSmall as e:
             first = first or e
             continue
+        # pinned host memory: the streamed weights beside the offloaded activations (each of
+        # which plan_memory lets take up to half the host's)
+        pinned = k * layer_bytes + sum(plan_kept_bytes(w, p) for p in mem.layers
+                                       if p is not None and p.offload)
+        if k and pinned > 0.75 * host:
+            break
         cost = stream_cost_seconds(w, mem.layers, k, layer_bytes)
         if best is None or cost < best[0]:
             best = (cost, k, mem)

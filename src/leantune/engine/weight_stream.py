@@ -52,7 +52,7 @@ def streamable(layer, weights: DenseWeights) -> str | None:
                 return "a quantised (NF4 / FP8) base"
             if m.weight is None or m.weight.requires_grad:
                 return "a trainable base weight"
-        if mods is not o and len(mods) > 1 and weights.packed(mods) is None:
+        if mods is not o and not weights.packable(mods):
             return "projections that do not pack"
     return None
 
@@ -72,13 +72,15 @@ class _Group:
 
     __slots__ = ("mods", "host", "rows", "in_f", "key")
 
-    def __init__(self, mods, host: torch.Tensor, in_f: int):
+    def __init__(self, index: int, mods, host: torch.Tensor, in_f: int):
         self.mods, self.host, self.in_f = mods, host, in_f
         self.rows, r = [], 0
         for m in mods:
             self.rows.append((r, r + m.out_features))
             r += m.out_features
-        self.key = (tuple(host.shape), host.dtype)
+        # (by role too: two groups of one layer may have one shape, e.g. o and down where the
+        # intermediate size equals the query width; each needs its own buffer in a slot)
+        self.key = (index, tuple(host.shape), host.dtype)
 
     def point(self, buf: torch.Tensor) -> None:
         """The modules' weights become views of `buf` (the host buffer or a slot)."""
@@ -114,16 +116,16 @@ class WeightStream:
                 raise ValueError(f"layer {all_layers.index(layer)}: its weights cannot stream "
                                  f"({why})")
             groups = []
-            for mods in layer_groups(layer):
-                src = layer_buffer(mods, weights)
+            for index, mods in enumerate(layer_groups(layer)):
+                src = layer_buffer(mods, weights, packed=index != 1)
                 host = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin)
                 host.copy_(src)
-                g = _Group(mods, host, mods[0].in_features)
+                g = _Group(index, mods, host, mods[0].in_features)
                 g.point(host)
                 groups.append(g)
                 for slot in self.slots:
                     if g.key not in slot:
-                        slot[g.key] = torch.empty(g.key[0], dtype=g.key[1], device=self.device)
+                        slot[g.key] = torch.empty(g.key[1], dtype=g.key[2], device=self.device)
                 del src
             self.order[id(layer)] = len(self.layers)
             self.layers.append(layer)
@@ -193,6 +195,10 @@ class WeightStream:
         """`layer`'s weights resident on the GPU (its modules pointing at its slot) for the
         block; the next streamed layer's copy (in `direction`) started. A layer that does not
         stream only starts that copy."""
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("a CUDA graph cannot capture a layer whose base weights stream "
+                               "from the host (its replay would skip the copies); unstream "
+                               "the model first (Engine.unstream)")
         self._point_back()
         if self.streams(layer):
             slot = self._fill(layer)
@@ -250,19 +256,27 @@ class WeightStream:
         self.layers, self.groups, self.order, self.after = [], {}, {}, {}
 
 
-def layer_buffer(mods, weights: DenseWeights) -> torch.Tensor:
+def layer_buffer(mods, weights: DenseWeights, packed: bool) -> torch.Tensor:
     """The GPU buffer a group's base weights live in: the packed weight [sum out, width] of a
-    packed group, or a single projection's [out, in]."""
-    if len(mods) > 1:
+    packed group (q/k/v, gate/up and down, even alone: its LoRA columns), or o's [out, in]."""
+    if packed:
         return weights.packed(mods)
     w = mods[0].weight.data
     return w if w.is_contiguous() else w.contiguous()
 
 
 def layer_weight_bytes(layer, weights: DenseWeights) -> int:
-    """GPU bytes a streamed layer gives up (and one slot holds)."""
-    return sum(t.numel() * t.element_size()
-               for t in (layer_buffer(mods, weights) for mods in layer_groups(layer)))
+    """GPU bytes a streamed layer gives up (and one slot holds), from the layout: nothing is
+    packed or allocated to count them."""
+    total = 0
+    for index, mods in enumerate(layer_groups(layer)):
+        size = mods[0].weight.element_size()
+        if index == 1:
+            total += mods[0].out_features * mods[0].in_features * size
+        else:
+            (rows, width), _ = weights.layout(mods)
+            total += rows * width * size
+    return total
 
 
 __all__ = ["WeightStream", "layer_buffer", "layer_weight_bytes", "stream_positions", "streamable"]

@@ -182,6 +182,10 @@ class StepRunner:
             except BaseException:
                 self.run_folder.restore()
                 raise
+            finally:
+                # streamed base weights back on the GPU: what the caller does next (export,
+                # generate) reads the weights directly
+                self.engine.unstream(self.model)
 
     def _train(self) -> TrainResult:
         cfg = self.cfg
@@ -295,9 +299,7 @@ class StepRunner:
         finally:
             progress.close()
             metrics.close()
-            # streamed base weights back on the GPU: what the caller does next (export,
-            # generate) reads the weights directly
-            self.engine.unstream(self.model)
+            self.engine.unstream(self.model)  # (before the final save: train() does it too)
         self.save_final()
         elapsed = time.perf_counter() - t_start
         if writer:

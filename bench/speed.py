@@ -13,6 +13,7 @@ model(input_ids, labels=...).
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import tempfile
 import time
@@ -113,7 +114,9 @@ def bench_ours(shape, batch, policy, warmup, steps, device):
     times, peak = _timed(lambda: trainer.train_step([gpu_batch]), warmup, steps, device)
     plan = trainer.activation_policy
     print(f"{shape} {policy}: {plan}", flush=True)
-    del trainer
+    trainer.engine.unstream(trainer.model)  # (streamed weights: the stream and the model refer
+    del trainer                             # to each other until unstreamed)
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return median(times), peak, plan

@@ -8,6 +8,10 @@ keep gate/up on one or two layers; the weights cost host->device link time inste
 direction a forward leaves idle (its activation copies go device->host) and, in backward, beside
 the activation prefetch. The planner (engine/planner.plan_streaming) picks how many layers
 stream, if any, spaced evenly so each copy overlaps at least a layer of compute.
+Measured on an H200 (BENCHMARKS.md 2026-12-07): Llama-3.1-8B at 17 GiB streamed 16 layers and
+kept 8 more whole, at the same step rate as without (the copies cost what the saved recompute
+did: the planner's link model counts each direction on its own), so EngineOptions.stream_weights
+is off by default.
 
 A streamed layer's projections (q/k/v, gate/up, down packed as engine/weights.py packs them, and
 o) live in pinned host buffers of the packed layout; their `weight` Parameters are views of those.

@@ -1,10 +1,12 @@
-"""Streamed base weights on the GPU (engine/weight_stream.py): the same training passes with some
-layers' weights streamed from pinned host memory and with none, compared bit for bit (the copies
-run on a side stream: a missing wait would show here, not on the CPU), and the copy overlap
-measured: the step's time with every other layer streamed against none, at a plan that keeps
-everything (so the difference is the copies' cost alone).
+"""Streamed base weights on the GPU (engine/weight_stream.py): one model's training passes with
+no layer's weights streamed, again (the comparison's own spread), and with every other layer's
+streamed from pinned host memory, each from the same LoRA weights, compared bit for bit (the
+copies run on a side stream: a missing wait would show here, not on the CPU); and the step's time
+each way, at a mixed plan and at one that keeps everything (there the difference is the copies'
+cost alone).
 
-    python bench/gpu_stream.py [--shape llama-3.2-1b] [--steps 3]
+    python bench/gpu_stream.py [--shape llama-3.2-1b] [--steps 3] [--control]
+    python bench/gpu_stream.py --device cpu --shape tiny --rows 2 --seq 64   (dry run)
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ def model_and_engine(shape, device, plans_of, every_other: bool):
     L = len(model.layers)
     engine.attach(model, plans_of(L))
     engine.stream_weights(model, list(range(1, L, 2)) if every_other else [])
-    torch.cuda.empty_cache()
     return model, engine
 
 
@@ -60,10 +61,12 @@ def main():
     ap.add_argument("--rows", type=int, default=4)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script's code")
     ap.add_argument("--control", action="store_true",
-                    help="the second run streams nothing either (the comparison's own spread)")
+                    help="the third run streams nothing either")
     args = ap.parse_args()
-    device = torch.device("cuda")
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
     from leantune.model.config import ModelConfig
     from harness import hf_config
 
@@ -77,33 +80,63 @@ def main():
 
     rows = []
     for name, plans_of in (("mixed plan", mixed), ("keep all", lambda L: [LayerPlan(2)] * L)):
-        results = {}
-        for label in ("none", "every other"):
-            stream_it = label != "none" and not args.control
-            model, engine = model_and_engine(args.shape, device, plans_of, stream_it)
-            streamed = engine.stream.layers if engine.stream else []
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            got = passes(model, batch, args.steps)
-            times = cuda_time(lambda: passes(model, batch, 1), 2, 5)
-            peak = torch.cuda.max_memory_allocated() / 2**30
-            results[label] = got
+        # one model: its passes unstreamed, again unstreamed (the comparison's own spread: the
+        # attention backward may not be deterministic), then streamed, each from the same LoRA
+        # weights
+        model, engine = model_and_engine(args.shape, device, plans_of, False)
+        params = [p for p in model.parameters() if p.requires_grad]
+        start = [p.detach().clone() for p in params]
+
+        def restore():
+            with torch.no_grad():
+                for p, s0 in zip(params, start):
+                    p.copy_(s0)
+
+        def timed(label, n_streamed):
+            if not cuda:  # (the dry run: one untimed pass)
+                passes(model, batch, 1)
+                times, peak = [0.0], 0.0
+            else:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                times = cuda_time(lambda: passes(model, batch, 1), 2, 5)
+                peak = torch.cuda.max_memory_allocated() / 2**30
             copies = engine.stream.copies if engine.stream else 0
             ms = 1e3 * sorted(times)[len(times) // 2]
-            rows.append((name, label, len(streamed), ms, peak, copies))
-            record("stream", shape=args.shape, plan=name, streamed=len(streamed),
+            rows.append((name, label, n_streamed, ms, peak, copies))
+            record("stream", shape=args.shape, plan=name, streamed=n_streamed,
                    step_ms=round(ms, 2), peak_gib=round(peak, 3), copies=copies)
-            del model, engine
+
+        runs = {}
+        for label in ("none", "none again"):
+            restore()
+            runs[label] = passes(model, batch, args.steps)
+        timed("none", 0)
+        L = len(model.layers)
+        if not args.control:
+            engine.stream_weights(model, list(range(1, L, 2)))
+            if cuda:
+                torch.cuda.empty_cache()
+        restore()
+        runs["every other"] = passes(model, batch, args.steps)
+        timed("every other" if not args.control else "none (control)",
+              len(engine.stream.layers) if engine.stream else 0)
+        for a, b in (("none", "none again"), ("none", "every other")):
+            x_, y_ = runs[a], runs[b]
+            same = all(torch.equal(x[0], y[0]) and all(torch.equal(g, h)
+                                                       for g, h in zip(x[1], y[1]))
+                       for x, y in zip(x_, y_))
+            worst = max(max(((g.float() - h.float()).abs().max()
+                             / h.float().abs().max().clamp_min(1e-30)).item()
+                            for g, h in zip(x[1], y[1])) for x, y in zip(x_, y_))
+            record("stream_equal", shape=args.shape, plan=name, runs=f"{a} vs {b}",
+                   bit_identical=same, max_rel_grad_diff=worst)
+            rows.append((name, f"{a} vs {b}: " + ("bit-identical" if same else
+                         f"max |diff| / max |grad| {worst:.3e}"), None, None, None, None))
+        engine.unstream(model)
+        del model, engine
+        if cuda:
             torch.cuda.empty_cache()
-        a, b = results["none"], results["every other"]
-        same = all(torch.equal(x[0], y[0]) and all(torch.equal(g, h) for g, h in zip(x[1], y[1]))
-                   for x, y in zip(a, b))
-        worst = max(max(((g.float() - h.float()).abs().max() / h.float().abs().max()).item()
-                        for g, h in zip(x[1], y[1])) for x, y in zip(a, b))
-        record("stream_equal", shape=args.shape, plan=name, bit_identical=same,
-               max_grad_diff=worst)
-        rows.append((name, "bit-identical" if same else f"DIFFERS: max |diff| / max |grad| {worst:.3e}", None, None,
-                     None, None))
     print(f"\n{args.shape}, {args.rows} x {args.seq} tokens, LoRA r16 (fwd+bwd+SGD, median ms)")
     print(f"{'plan':<11} {'streamed':<14} {'layers':>6} {'ms':>8} {'peak GiB':>9} {'copies':>7}")
     for name, label, n, ms, peak, copies in rows:

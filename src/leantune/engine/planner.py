@@ -503,7 +503,7 @@ def plan_streaming(w: Workload, budget_bytes: float, fixed_bytes: float, layer_b
     if not w.autograd and w.generation is None and layer_bytes > 0:
         most = min(len(streamable), L // 2)
     first = None
-    best = None
+    plans = {}  # k -> (cost, plan)
     for k in [0, *range(2, most + 1, 2)]:
         fixed = fixed_bytes - k * layer_bytes + (2 * layer_bytes if k else 0)
         try:
@@ -517,22 +517,14 @@ def plan_streaming(w: Workload, budget_bytes: float, fixed_bytes: float, layer_b
                                        if p is not None and p.offload)
         if k and pinned > 0.75 * host:
             break
-        cost = stream_cost_seconds(w, mem.layers, k, layer_bytes)
-        if best is None or cost < best[0]:
-            best = (cost, k, mem)
-    if best is None:
+        plans[k] = (stream_cost_seconds(w, mem.layers, k, layer_bytes), mem)
+    if not plans:
         raise first
-    cost, k, mem = best
-    if k:
-        try:
-            base = stream_cost_seconds(w, plan_memory(w, budget_bytes, fixed_bytes,
-                                                      host_bytes).layers, 0, layer_bytes)
-        except BudgetTooSmall:
-            base = math.inf
-        if base - cost < STREAM_MIN_GAIN * 3 * forward_seconds(w):
-            return plan_memory(w, budget_bytes, fixed_bytes, host_bytes), []
-    return mem, [streamable[i] for i in stream_positions(len(streamable), k)]
-
+    k = min(plans, key=lambda n: (plans[n][0], n))
+    base = plans[0][0] if 0 in plans else math.inf
+    if k and base - plans[k][0] < STREAM_MIN_GAIN * 3 * forward_seconds(w):
+        k = 0
+    return plans[k][1], [streamable[i] for i in stream_positions(len(streamable), k)]
 
 POLICIES = ("auto", "keep", "recompute", "offload")
 

@@ -143,13 +143,6 @@ class WeightStream:
                 if self.streams(layer):
                     nxt = layer
 
-    def slot_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for s in self.slots for b in s.values())
-
-    def host_bytes(self) -> int:
-        return sum(g.host.numel() * g.host.element_size() for gs in self.groups.values()
-                   for g in gs)
-
     def streams(self, layer) -> bool:
         return id(layer) in self.order
 

@@ -187,7 +187,7 @@ class Trainer(StepRunner):
         from .. import kernels
         from ..engine import Engine, compile_layers, has_expert_lora, lora_ranks
         from ..engine.planner import (BudgetTooSmall, Workload, describe, gpu_budget_bytes,
-                                      plan_memory, plan_streaming, policy_plans)
+                                      plan_streaming, policy_plans)
 
         cfg, m = self.cfg, self.model
         if cfg.full:
@@ -240,12 +240,9 @@ class Trainer(StepRunner):
             fixed = self._fixed_bytes()
             budget = gpu_budget_bytes(self.device, cfg.max_memory_gib)
             candidates, layer_bytes = self._streamable(options, autograd_why)
-            try:
-                if candidates:
-                    mem, streamed = plan_streaming(work, budget, fixed, layer_bytes, candidates,
-                                                   host_bytes=self.parallel.host_bytes())
-                else:
-                    mem = plan_memory(work, budget, fixed, host_bytes=self.parallel.host_bytes())
+            try:  # (no candidates: plan_memory's plan, nothing streamed)
+                mem, streamed = plan_streaming(work, budget, fixed, layer_bytes, candidates,
+                                               host_bytes=self.parallel.host_bytes())
             except BudgetTooSmall as e:
                 raise LeantuneError(budget_message(cfg, budget, e)) from None
             plans = mem.layers

@@ -8,8 +8,10 @@ step's own shapes, and pinned host<->device copy bandwidth (for offloaded checkp
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import tempfile
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -60,7 +62,9 @@ def profile(shape, policy, tokens_rows, seq, device):
     record("memory", shape=shape, policy=policy, peak_fwd_gib=round(peak_fwd, 3),
            peak_step_gib=round(torch.cuda.max_memory_allocated() / 2**30, 3))
     kernel_profile(lambda: trainer.train_step([b]), shape, policy)
-    del trainer
+    trainer.engine.unstream(trainer.model)  # (streamed weights: the stream and the model refer
+    del trainer                             # to each other until unstreamed)
+    gc.collect()
     torch.cuda.empty_cache()
 
 
@@ -275,6 +279,22 @@ def copy_bandwidth(device, mib=64):
         e.record()
         torch.cuda.synchronize()
         res[name + "_gb_s"] = round(20 * n * 2 / (s.elapsed_time(e) / 1e3) / 1e9, 1)
+    # both directions at once, on two side streams (an offloading forward with streamed weights:
+    # activations go down the link while weights come up it)
+    host2 = torch.empty_like(host)
+    dev2 = torch.empty_like(dev)
+    down, up = torch.cuda.Stream(device), torch.cuda.Stream(device)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.cuda.stream(down):
+        for _ in range(20):
+            host.copy_(dev, non_blocking=True)
+    with torch.cuda.stream(up):
+        for _ in range(20):
+            dev2.copy_(host2, non_blocking=True)
+    torch.cuda.synchronize()
+    both = time.perf_counter() - t0
+    res["both_each_gb_s"] = round(20 * n * 2 / both / 1e9, 1)
     record("copy_bandwidth", mib=mib, **res)
 
 

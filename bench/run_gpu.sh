@@ -24,7 +24,8 @@
 #          softcap (Gemma 2's soft-capped attention: Triton kernels vs the PyTorch query blocks)
 #          stream (streamed base weights: bit-identical on/off, the copies' cost; the 8B and
 #          Phi-4 steps at their budgets with --stream-weights and without) (stream-phi4: Phi-4;
-#          stream-dpo: issue 20's DPO step with LEANTUNE_STREAM_WEIGHTS=1 and 0)
+#          stream-dpo: issue 20's DPO step with LEANTUNE_STREAM_WEIGHTS=1 and 0; stream-a: the
+#          1B check, the host link both ways at once, Phi-4; stream-prof: profiles streamed)
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-bench-out}; export OUT; mkdir -p "$OUT"
@@ -106,6 +107,18 @@ for p in $parts; do
              speed llama-3.1-8b 200 auto@17 auto@17+stream --no-baseline ;;&
     stream|stream-phi4)
              speed phi-4 300 auto@31+stream auto@31 ;;&
+    stream-a)  # streaming on/off bit for bit (1B), the host link each way and both at once,
+               # Phi-4 at 31 GiB with and without streaming against transformers + PEFT
+             timeout 150 python bench/gpu_stream.py 2>&1 | tee -a "$OUT/log.txt" | grep -v "^{" \
+               | tail -n 9
+             timeout 60 python -c "import sys, torch; sys.path.insert(0, 'bench'); import \
+profile_step as p; p.copy_bandwidth(torch.device('cuda'))" 2>&1 | tee -a "$OUT/log.txt" | tail -n 2
+             speed phi-4 320 auto@31+stream auto@31 ;;
+    stream-prof)  # where a streamed step waits: the 8B at 17 GiB and Phi-4 at 31, streamed
+             for sp in llama-3.1-8b:auto@17+stream phi-4:auto@31+stream; do
+               timeout 200 python bench/profile_step.py --no-ceilings --shape "${sp%%:*}" \
+                 --policies "${sp#*:}" 2>&1 | tee -a "$OUT/log.txt" | grep -v "^{" | tail -n 45
+             done ;;
     stream-dpo)  # issue 20's DPO step (reference each step) with streamed weights and without
              for s in 1 0; do LEANTUNE_STREAM_WEIGHTS=$s timeout 250 python bench/gpu_preference.py \
                --no-baseline --shared on 2>&1 | tee -a "$OUT/log.txt" | grep -v "^{" \

@@ -119,6 +119,14 @@ profile_step as p; p.copy_bandwidth(torch.device('cuda'))" 2>&1 | tee -a "$OUT/l
                timeout 200 python bench/profile_step.py --no-ceilings --shape "${sp%%:*}" \
                  --policies "${sp#*:}" 2>&1 | tee -a "$OUT/log.txt" | grep -v "^{" | tail -n 45
              done ;;
+    stream-b)  # where the DPO step's time goes (phases, profiles of the reference and policy
+               # passes), then streamed and not; the 8B SFT step streamed, profiled
+             timeout 200 python bench/gpu_preference.py --no-baseline --shared on --phases \
+               --profile 2>&1 | tee -a "$OUT/log.txt" | grep -v "^{" | grep -v -i warn | tail -n 80
+             LEANTUNE_STREAM_WEIGHTS=1 timeout 150 python bench/gpu_preference.py --no-baseline \
+               --shared on 2>&1 | tee -a "$OUT/log.txt" | grep -v "^{" | grep -v -i warn | tail -n 4
+             timeout 170 python bench/profile_step.py --no-ceilings --shape llama-3.1-8b \
+               --policies auto@17+stream 2>&1 | tee -a "$OUT/log.txt" | grep -v "^{" | tail -n 45 ;;
     stream-dpo)  # issue 20's DPO step (reference each step) with streamed weights and without
              for s in 1 0; do LEANTUNE_STREAM_WEIGHTS=$s timeout 250 python bench/gpu_preference.py \
                --no-baseline --shared on 2>&1 | tee -a "$OUT/log.txt" | grep -v "^{" \

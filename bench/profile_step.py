@@ -281,7 +281,7 @@ def copy_bandwidth(device, mib=64):
         res[name + "_gb_s"] = round(20 * n * 2 / (s.elapsed_time(e) / 1e3) / 1e9, 1)
     # both directions at once, on two side streams (an offloading forward with streamed weights:
     # activations go down the link while weights come up it)
-    host2 = torch.empty_like(host)
+    host2 = torch.empty_like(host).pin_memory()
     dev2 = torch.empty_like(dev)
     down, up = torch.cuda.Stream(device), torch.cuda.Stream(device)
     torch.cuda.synchronize()

@@ -119,7 +119,9 @@ profile_step as p; p.copy_bandwidth(torch.device('cuda'))" 2>&1 | tee -a "$OUT/l
                timeout 200 python bench/profile_step.py --no-ceilings --shape "${sp%%:*}" \
                  --policies "${sp#*:}" 2>&1 | tee -a "$OUT/log.txt" | grep -v "^{" | tail -n 45
              done ;;
-    stream-b)  # where the DPO step's time goes (phases, profiles of the reference and policy
+    stream-b)  # (the host link both ways first)
+             timeout 60 python -c "import sys, torch; sys.path.insert(0, 'bench'); import profile_step as p; p.copy_bandwidth(torch.device('cuda'))" 2>&1 | tail -n 1
+             # where the DPO step's time goes (phases, profiles of the reference and policy
                # passes), then streamed and not; the 8B SFT step streamed, profiled
              timeout 200 python bench/gpu_preference.py --no-baseline --shared on --phases \
                --profile 2>&1 | tee -a "$OUT/log.txt" | grep -v "^{" | grep -v -i warn | tail -n 80

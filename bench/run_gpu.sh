@@ -26,6 +26,8 @@
 #          Phi-4 steps at their budgets with --stream-weights and without) (stream-phi4: Phi-4;
 #          stream-dpo: issue 20's DPO step with LEANTUNE_STREAM_WEIGHTS=1 and 0; stream-a: the
 #          1B check, the host link both ways at once, Phi-4; stream-prof: profiles streamed)
+#          micro (GEMM variants; the DPO and 8B SFT steps with EngineOptions.gemm_residual and
+#          LEANTUNE_LOGP_GRAD_IN_FORWARD each way)
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-bench-out}; export OUT; mkdir -p "$OUT"
@@ -133,6 +135,19 @@ profile_step as p; p.copy_bandwidth(torch.device('cuda'))" 2>&1 | tee -a "$OUT/l
              for s in 1 0; do LEANTUNE_STREAM_WEIGHTS=$s timeout 250 python bench/gpu_preference.py \
                --no-baseline --shared on 2>&1 | tee -a "$OUT/log.txt" | grep -v "^{" \
                | grep -v -i warn | tail -n 5; done ;;
+    micro)  # exact savings: the GEMM variants (residual in the GEMM or after it; q/k/v's K
+            # padding), with and without host-link traffic; the DPO step with the defaults, with
+            # the old ones (the residual in cuBLAS's GEMM, log-prob gradients formed in backward)
+            # and with each alone; the 8B SFT step with the residual after the GEMM and in it
+             timeout 120 python bench/gpu_gemm_shapes.py --link 2>&1 | tee -a "$OUT/log.txt" \
+               | grep -v "^{" | tail -n 24
+             for env in LEANTUNE_NONE=1 "LEANTUNE_GEMM_RESIDUAL=1 LEANTUNE_LOGP_GRAD_IN_FORWARD=0" \
+                        LEANTUNE_LOGP_GRAD_IN_FORWARD=0 LEANTUNE_GEMM_RESIDUAL=1 LEANTUNE_NONE=1; do
+               echo "DPO with $env"
+               env $env timeout 150 python bench/gpu_preference.py --no-baseline --shared on 2>&1 \
+                 | tee -a "$OUT/log.txt" | grep -v "^{" | grep -v -i warn | tail -n 1
+             done
+             speed llama-3.1-8b 200 auto@17 auto@17+gemmres auto@17 --no-baseline ;;
     softcap) timeout 400 python bench/gpu_softcap.py ${SOFTCAP_ARGS:-} 2>&1 | tee -a "$OUT/log.txt" \
                | grep -v "^{" | tail -n 40 ;;
     dist)    timeout 170 torchrun --nproc_per_node 1 bench/dist_speed.py --shape llama-3.1-8b \

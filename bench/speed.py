@@ -45,7 +45,8 @@ def make_trainer(shape, batch, policy, steps, device, lora_targets="q,k,v,o,gate
     the hand-written backward), "+noembed" (input embedding kept on the GPU), "+keepall:M"
     (the last M layers keep everything, on top of the plan), "+offall:M" (the last M offloaded
     layers of the plan keep everything, still offloaded), "+fp8" (--precision fp8), "+stream"
-    (EngineOptions.stream_weights: the planner may stream base weights from the host)."""
+    (EngineOptions.stream_weights: the planner may stream base weights from the host), "+gemmres"
+    (EngineOptions.gemm_residual: down's residual added by its cuBLAS GEMM)."""
     base = leantune_model(shape, device, dtype=_dtype(device))
     ckpt, *extras = policy.split("+")
     ckpt, _, budget = ckpt.partition("@")
@@ -61,7 +62,7 @@ def make_trainer(shape, batch, policy, steps, device, lora_targets="q,k,v,o,gate
                       compile="compile" in extras, fused_layers="nofused" not in extras,
                       offload_embedding="noembed" not in extras,
                       precision="fp8" if "fp8" in extras else "bf16",
-                      stream_weights="stream" in extras)
+                      stream_weights="stream" in extras, gemm_residual="gemmres" in extras)
     docs = [(batch.input_ids[0].tolist(), batch.labels[0].tolist())]
     trainer = Trainer(cfg, model=base, train_data=docs, log=lambda *a: None)
     from leantune.engine import Engine, LayerPlan

@@ -156,3 +156,74 @@ def test_segment_sum_of_logprobs_matches_per_document_reference():
     assert seq.dtype == torch.float32 and seq.shape == (3,) and seq[1] == 0
     torch.testing.assert_close(seq, torch.stack([ref[:5].sum(), ref[5:5].sum(), ref[5:].sum()]),
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kw", [{}, {"softcap": 4.0, "temperature": 1.6},
+                                {"temperature": 0.7}])
+@pytest.mark.parametrize("chunk_rows", [None, 3])
+def test_grad_in_forward_matches_reference_and_recompute(dtype, kw, chunk_rows, monkeypatch):
+    """A frozen head, logp alone: d logp / d hidden formed in the forward (grad_in_forward, the
+    default) equals the reference and the recomputing backward; several chunks with a short
+    last one; ignored rows get no gradient."""
+    V = 333
+    if chunk_rows:
+        row_bytes = V * torch.empty((), dtype=dtype).element_size()
+        monkeypatch.setitem(ce.CHUNK_BYTES, "default", chunk_rows * row_bytes)
+    hidden, weight, targets = _data(11, 40, V, dtype, ignore_every=4)
+    weight.requires_grad_(False)
+    _check(hidden, weight, targets, **kw)  # the default (in forward) against the reference
+    up = [torch.randn(11)]
+    outs = {}
+    for on in (True, False):
+        outs[on] = _outputs_and_grads("triton", hidden, weight, targets, up,
+                                      grad_in_forward=on, **kw)
+    torch.testing.assert_close(outs[True][0], outs[False][0], rtol=0, atol=0)
+    rtol, atol = (1e-6, 1e-6) if dtype == torch.float32 else (2e-2, 1e-2)
+    torch.testing.assert_close(outs[True][1], outs[False][1], rtol=rtol, atol=atol)
+    ignored = targets == IGNORE
+    assert not outs[True][1][0][ignored].any()
+
+
+def test_grad_in_forward_runs_no_product_in_backward(monkeypatch):
+    """On: the forward runs 2 products per chunk (logits, d logp / d h) and backward none;
+    off: 1 in the forward and 2 per chunk in backward (logits again, grad_hidden). With the
+    entropy asked for or a head that trains, the recomputing backward is used either way."""
+    V = 100
+    monkeypatch.setitem(ce.CHUNK_BYTES, "default", 4 * V * 4)  # 10 rows: 3 chunks
+    hidden, weight, targets = _data(10, 24, V, torch.float32)
+    weight.requires_grad_(False)
+    calls = []
+    orig = torch.mm
+
+    def mm(*a, **k):
+        calls.append(1)
+        return orig(*a, **k)
+    monkeypatch.setattr(torch, "mm", mm)
+    for on, fwd, bwd in ((True, 6, 0), (False, 3, 6)):
+        calls.clear()
+        with kernels.backend("triton"):
+            logp = kernels.token_logprobs(hidden, weight, targets, grad_in_forward=on)
+        assert len(calls) == fwd
+        calls.clear()
+        logp.sum().backward()
+        assert len(calls) == bwd
+        hidden.grad = None
+    with kernels.backend("triton"):
+        logp, ent = kernels.token_logprobs(hidden, weight, targets, return_entropy=True,
+                                           grad_in_forward=True)
+    assert type(logp.grad_fn).__name__.startswith("_TokenLogprobsFunction")
+    weight.requires_grad_(True)
+    with kernels.backend("triton"):
+        logp = kernels.token_logprobs(hidden, weight, targets, grad_in_forward=True)
+    assert type(logp.grad_fn).__name__.startswith("_TokenLogprobsFunction")
+
+
+def test_grad_in_forward_unused_output():
+    """The log-probs computed but not used by the loss: the hidden states get zero gradient."""
+    hidden, weight, targets = _data(5, 16, 133, torch.float32)
+    weight.requires_grad_(False)
+    with kernels.backend("triton"):
+        logp = kernels.token_logprobs(hidden, weight, targets)
+    (g,) = torch.autograd.grad((logp * 0).sum() + hidden.sum() * 0, [hidden])
+    assert not g.any()

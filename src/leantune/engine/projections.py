@@ -60,6 +60,8 @@ class ProjectionGroup:
         self.fuse_add = (weights.options.fuse_lora_add and self.R > 0
                          and not self.lora_in_gemm and self.R <= _LORA_ADD_MAX_RANK)
         self.fuse_grad_quant = weights.options.fuse_grad_quant
+        # a residual (one projection) added by the GEMM, or by one add pass after it
+        self.resid_in_gemm = self.source.adds_residual_free or weights.options.gemm_residual
         self.bias_cat = None
         if any(b is not None for b in self.bias):
             dev = mods[0].base_device
@@ -126,8 +128,10 @@ class ProjectionGroup:
         fused = self.fuse_add and lora
         in_place = (out is not None and resid is not None and out.untyped_storage().data_ptr()
                     == resid.untyped_storage().data_ptr())
-        gemm_resid = resid if not fused or in_place else None
-        resid = None if in_place else resid
+        if in_place or (not fused and self.resid_in_gemm):
+            gemm_resid, resid = resid, None  # added by the GEMM
+        else:
+            gemm_resid = None  # added after it: by lora_add_ (fused), else by an add pass
         if self.packed:
             if X.shape[1] != self.width:
                 raise ValueError("packed group: pass new_input's buffer (after fill_lora)")
@@ -140,6 +144,8 @@ class ProjectionGroup:
                     lora_add_(y, xa, self.b_cat(), resid)
                 else:
                     self._addmm_lora(self.split(y), xa)
+            if resid is not None and not fused:
+                y.add_(resid)
             return y
         x = X[:, :self.in_f]
         xa = x @ self.a.t() if self.a is not None and lora else None
@@ -160,8 +166,11 @@ class ProjectionGroup:
                 yi.add_(bias)
         if fused:
             lora_add_(y, xa, self.b_cat(), resid)
-        elif xa is not None:
-            self._addmm_lora(ys, xa)
+        else:
+            if xa is not None:
+                self._addmm_lora(ys, xa)
+            if resid is not None:
+                y.add_(resid)
         return y
 
     def _addmm_lora(self, ys: list, xa: torch.Tensor) -> None:

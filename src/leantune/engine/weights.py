@@ -59,7 +59,10 @@ class WeightSource:
     packed: the packed weight [sum out, width] (LoRA columns as of the group's creation), or
     None where the group runs unpacked; `get()` returns it (the packed GEMMs call it each time);
     `dense(i)` is projection i's base weight [out_i, in] (a view into the packed buffer when
-    packed)."""
+    packed). adds_residual_free: whether mm / mm_packed add a residual inside the GEMM at no
+    extra pass (the FP8 kernels' epilogue); a 16-bit cuBLAS addmm copies it into `out` first."""
+
+    adds_residual_free = False
 
     def __init__(self, mods, packed: torch.Tensor | None):
         self.mods = mods
@@ -192,6 +195,8 @@ class FP8Source(WeightSource):
     FP8View over its members' codes, made once by DenseWeights.fp8_packed), the group runs
     one FP8 GEMM each way; unpacked, each projection's GEMMs are its own base's (FP8 ones for
     FP8 members: lora/base_weight.FP8Base)."""
+
+    adds_residual_free = True
 
     def __init__(self, mods, pool: ScratchPool, packed: FP8View | None = None):
         super().__init__(mods, packed)

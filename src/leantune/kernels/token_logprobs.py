@@ -25,6 +25,11 @@ Fused algorithm (everything stays on the device, no host sync):
         grad_hidden[chunk] = dx @ W                cuBLAS
         grad_W += dx^T @ h_chunk                   only if W requires grad (frozen under LoRA)
 
+Where the head is frozen (LoRA) and no entropy is asked for, the forward goes on, per chunk
+while its logits are in the buffer, to dz with an upstream of ones and d logp / d h = dx @ W
+(kept [N, H]); backward is then one row scaling, grad_hidden = dlogp[:, None] * (d logp / d h):
+2 products per chunk instead of 3 (`grad_in_forward`, GRAD_IN_FORWARD).
+
 Memory / FLOP trade. Held from forward to backward: lse [N] fp32 (p = exp(z - lse) needs no
 separate max: z <= lse, so the exponent never overflows) and entropy [N] fp32 when returned,
 besides hidden and W themselves, which autograd holds anyway. Transient: one [chunk, V] logits
@@ -41,6 +46,8 @@ Chunk size and vocabulary step are those of cross_entropy (CHUNK_BYTES, MAX_BLOC
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..batch import IGNORE_INDEX
@@ -52,6 +59,13 @@ try:
     import triton.language as tl
 except ImportError:  # the package works without Triton (reference path only)
     triton = None
+
+
+# Whether the Triton path forms d logp / d hidden in the forward where it can (a frozen head,
+# no entropy): one [chunk, V] x H product less per chunk, dh [N, H] held until backward instead.
+# LEANTUNE_LOGP_GRAD_IN_FORWARD=0 recomputes the logits in backward (benchmarks, debugging).
+GRAD_IN_FORWARD = os.environ.get("LEANTUNE_LOGP_GRAD_IN_FORWARD", "1").strip().lower() not in (
+    "0", "false", "off", "no")
 
 
 def _check_args(hidden, weight, targets, softcap, temperature) -> None:
@@ -249,6 +263,36 @@ def _logp_forward(h, w, tgt, softcap, temperature, ignore_index, with_entropy, c
     return logp, lse, ent
 
 
+def _logp_forward_with_grad(h, w, tgt, softcap, temperature, ignore_index, chunk_bytes):
+    """-> (logp [N] fp32, dh [N, H] in h's dtype): the log-probs and, from the same logits
+    chunk while it is still in the buffer, d logp_i / d h_i (the gradient kernel run with an
+    upstream of ones, then its product with W). Backward then only scales dh's rows."""
+    N, V = h.shape[0], w.shape[0]
+    logp = torch.empty(N, dtype=torch.float32, device=h.device)
+    lse = torch.empty(N, dtype=torch.float32, device=h.device)
+    dh = torch.empty_like(h)
+    if N == 0:
+        return logp, dh
+    ranges, buf = _chunks(h, V, chunk_bytes)
+    block_v, num_warps = _launch_params(V)
+    ones = torch.ones(N, dtype=torch.float32, device=h.device)
+    cap, inv_temp = float(softcap) if softcap else 1.0, 1.0 / float(temperature)
+    for start, end in ranges:
+        lg = buf[: end - start]
+        torch.mm(h[start:end], w.t(), out=lg)
+        _logp_rows_kernel[(end - start,)](
+            lg, lg.stride(0), tgt[start:end], logp[start:end], lse[start:end], lse[start:end],
+            V, ignore_index, cap, inv_temp, BLOCK_V=block_v, HAS_SOFTCAP=bool(softcap),
+            WITH_ENTROPY=False, num_warps=num_warps)
+        _logp_grad_kernel[(end - start,)](
+            lg, lg.stride(0), tgt[start:end], lse[start:end], lse[start:end],
+            ones[start:end], lse[start:end], V, ignore_index, cap, inv_temp,
+            BLOCK_V=block_v, HAS_SOFTCAP=bool(softcap), HAS_DLOGP=True, HAS_DENT=False,
+            num_warps=num_warps)
+        torch.mm(lg, w, out=dh[start:end])
+    return logp, dh
+
+
 def _logp_backward(h, w, tgt, lse, ent, dlogp, dent, softcap, temperature, ignore_index,
                    need_gh, need_gw, chunk_bytes):
     """-> (grad_hidden [N, H] or None, grad_weight [V, H] or None) for the per-token upstream
@@ -292,6 +336,30 @@ def _logp_backward(h, w, tgt, lse, ent, dlogp, dent, softcap, temperature, ignor
     return gh, gw
 
 
+class _TokenLogprobsGradInForward(torch.autograd.Function):
+    """logp only, the hidden states alone needing a gradient (a frozen head): d logp / d h is
+    formed in the forward (`_logp_forward_with_grad`), so backward recomputes no logits and
+    runs no GEMM: grad_hidden = dlogp[:, None] * dh. Holds dh [N, H] from forward to backward
+    instead of lse [N]; saves one [chunk, V] x H product per chunk."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, softcap, temperature, ignore_index, chunk_bytes):
+        logp, dh = _logp_forward_with_grad(hidden, weight, targets, softcap, temperature,
+                                           ignore_index, chunk_bytes)
+        ctx.save_for_backward(dh)
+        ctx.set_materialize_grads(False)
+        return logp
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dlogp):
+        (dh,) = ctx.saved_tensors
+        if dlogp is None:
+            return torch.zeros_like(dh), None, None, None, None, None, None
+        gh = (dh.float() * dlogp.float()[:, None]).to(dh.dtype)
+        return gh, None, None, None, None, None, None
+
+
 class _TokenLogprobsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, softcap, temperature, with_entropy, ignore_index,
@@ -317,17 +385,25 @@ class _TokenLogprobsFunction(torch.autograd.Function):
 def token_logprobs_triton(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                           softcap: float | None = None, temperature: float = 1.0,
                           return_entropy: bool = False, ignore_index: int = IGNORE_INDEX,
-                          chunk_bytes: int | None = None):
+                          chunk_bytes: int | None = None, grad_in_forward: bool | None = None):
     """Chunked per-token log-probs (module docstring); same contract as the reference.
 
     Through autograd when it will need gradients (grad mode on and hidden or weight requiring
-    grad), keeping only the per-row softmax statistics; otherwise a plain forward.
+    grad), keeping only the per-row softmax statistics; otherwise a plain forward. With
+    `grad_in_forward` (default GRAD_IN_FORWARD), no entropy and a frozen weight, the forward
+    forms d logp / d hidden [N, H] instead, and backward only scales it per row (one logits
+    product less per chunk).
     """
     _check_args(hidden, weight, targets, softcap, temperature)
     h = hidden if hidden.is_contiguous() else hidden.contiguous()
     w = weight if weight.is_contiguous() else weight.contiguous()
     tgt = targets.reshape(-1).contiguous()
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        if grad_in_forward is None:
+            grad_in_forward = GRAD_IN_FORWARD
+        if grad_in_forward and not return_entropy and not weight.requires_grad:
+            return _TokenLogprobsGradInForward.apply(h, w, tgt, softcap, temperature,
+                                                     ignore_index, chunk_bytes)
         return _TokenLogprobsFunction.apply(h, w, tgt, softcap, temperature, return_entropy,
                                             ignore_index, chunk_bytes)
     logp, _, ent = _logp_forward(h, w, tgt, softcap, temperature, ignore_index, return_entropy,
@@ -338,7 +414,7 @@ def token_logprobs_triton(hidden: torch.Tensor, weight: torch.Tensor, targets: t
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                    softcap: float | None = None, temperature: float = 1.0,
                    return_entropy: bool = False, ignore_index: int = IGNORE_INDEX,
-                   chunk_bytes: int | None = None):
+                   chunk_bytes: int | None = None, grad_in_forward: bool | None = None):
     """hidden: [N, H], weight: [V, H] (no bias), targets: [N] -> logp [N] fp32, or
     (logp [N], entropy [N]) fp32 with return_entropy. Logits are soft-capped
     (softcap * tanh(x / softcap)) then divided by temperature before the softmax; rows whose
@@ -346,6 +422,6 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     Triton path (chunked, no full logits) or reference, per `dispatch.use_triton`."""
     if use_triton(hidden):
         return token_logprobs_triton(hidden, weight, targets, softcap, temperature,
-                                     return_entropy, ignore_index, chunk_bytes)
+                                     return_entropy, ignore_index, chunk_bytes, grad_in_forward)
     return token_logprobs_reference(hidden, weight, targets, softcap, temperature,
                                     return_entropy, ignore_index)

@@ -57,6 +57,7 @@ class EngineSettings:
     fuse_lora_add: bool = True
     fuse_grad_quant: bool = True
     fuse_qkv_grad: bool = True
+    gemm_residual: bool = False
     stream_weights: bool = False
 
     def build(self) -> EngineOptions:

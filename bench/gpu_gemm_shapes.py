@@ -22,25 +22,17 @@ import time
 
 import torch
 
-from harness import hf_config
+from harness import hf_config, mean_ms
 
 
-def _time(fn, iters=20) -> float:
-    for _ in range(3):
-        fn()
-    if not torch.cuda.is_available():  # (--device cpu: a dry run of the script)
-        t0 = time.perf_counter()
-        for _ in range(2):
-            fn()
-        return (time.perf_counter() - t0) / 2 * 1e3
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(iters):
-        fn()
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) / iters
+def _time(fn) -> float:
+    """Mean ms of fn (harness.mean_ms); on the CPU (--device cpu, a dry run) two timed calls."""
+    if torch.cuda.is_available():
+        return mean_ms(fn)
+    fn()
+    t0 = time.perf_counter()
+    fn(), fn()
+    return (time.perf_counter() - t0) / 2 * 1e3
 
 
 class _Link:

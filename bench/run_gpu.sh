@@ -26,6 +26,7 @@
 #          Phi-4 steps at their budgets with --stream-weights and without) (stream-phi4: Phi-4;
 #          stream-dpo: issue 20's DPO step with LEANTUNE_STREAM_WEIGHTS=1 and 0; stream-a: the
 #          1B check, the host link both ways at once, Phi-4; stream-prof: profiles streamed)
+#          stream-c (streaming with the duplex link model: 1B check, 8B, DPO, Phi-4)
 #          micro (GEMM variants; the DPO and 8B SFT steps with EngineOptions.gemm_residual and
 #          LEANTUNE_LOGP_GRAD_IN_FORWARD each way)
 set -u
@@ -148,6 +149,22 @@ profile_step as p; p.copy_bandwidth(torch.device('cuda'))" 2>&1 | tee -a "$OUT/l
                  | tee -a "$OUT/log.txt" | grep -v "^{" | grep -v -i warn | tail -n 1
              done
              speed llama-3.1-8b 200 auto@17 auto@17+gemmres auto@17 --no-baseline ;;
+    stream-c)  # streaming after the duplex link model: the 1B check (the first step's gradients
+               # from the same weights against the unstreamed run's own spread), the 8B SFT and
+               # DPO steps and Phi-4 with --stream-weights and without (Phi-4 against
+               # transformers + PEFT where the card is an H200, issue 22's card)
+             timeout 150 python bench/gpu_stream.py 2>&1 | tee -a "$OUT/log.txt" | grep -v "^{" \
+               | tail -n 9
+             speed llama-3.1-8b 200 auto@17+stream auto@17 --no-baseline
+             for s in 1 0; do echo "DPO with LEANTUNE_STREAM_WEIGHTS=$s"
+               LEANTUNE_STREAM_WEIGHTS=$s timeout 150 python bench/gpu_preference.py --no-baseline \
+                 --shared on 2>&1 | tee -a "$OUT/log.txt" | grep -v "^{" | grep -v -i warn \
+                 | tail -n 1; done
+             if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+               speed phi-4 320 auto@31+stream auto@31
+             else
+               speed phi-4 200 auto@31+stream auto@31 --no-baseline
+             fi ;;
     softcap) timeout 400 python bench/gpu_softcap.py ${SOFTCAP_ARGS:-} 2>&1 | tee -a "$OUT/log.txt" \
                | grep -v "^{" | tail -n 40 ;;
     dist)    timeout 170 torchrun --nproc_per_node 1 bench/dist_speed.py --shape llama-3.1-8b \

@@ -175,6 +175,9 @@ def _train_parser(sub) -> None:
                    help="row chunks of the fused MLP in backward (default 256 MiB)")
     e.add_argument("--link-gbs", type=float,
                    help="host link rate the memory planner assumes (default 50 GB/s)")
+    e.add_argument("--link-duplex-gbs", type=float,
+                   help="host link rate each way while both directions copy at once, which "
+                        "the planner assumes for --stream-weights (default 33 GB/s)")
     e.add_argument("--no-trim-offload", dest="trim_offload", action="store_false", default=None,
                    help="offloaded layers always keep q/k/v (by default, where their copies "
                         "would outrun the forward, the fewest needed project q/k/v again in "

@@ -278,3 +278,39 @@ def test_generation_on_a_streamed_model():
     want = [d.token_ids for d in decode(plain, prompts, 6, cuda_graphs=False)]
     got = [d.token_ids for d in decode(model, prompts, 6, cuda_graphs=False)]
     assert got == want
+
+
+def test_both_ways_seconds():
+    """One direction at link_gbs; both at once at link_duplex_gbs each way for the shared part."""
+    from leantune.engine.planner import both_ways_seconds
+
+    w = _work(options=EngineOptions(link_gbs=50.0, link_duplex_gbs=25.0))
+    assert both_ways_seconds(w, 50e9, 0.0) == pytest.approx(1.0)
+    assert both_ways_seconds(w, 0.0, 50e9) == pytest.approx(1.0)
+    assert both_ways_seconds(w, 25e9, 25e9) == pytest.approx(1.0)
+    assert both_ways_seconds(w, 75e9, 25e9) == pytest.approx(2.0)  # 1 s shared, 1 s alone
+    # a duplex rate above the one-way rate counts as the one-way rate
+    fast = _work(options=EngineOptions(link_gbs=50.0, link_duplex_gbs=80.0))
+    assert both_ways_seconds(fast, 50e9, 50e9) == pytest.approx(1.0)
+
+
+def test_planner_streams_less_where_the_link_shares_badly():
+    """The weights come up the link while the offloaded activations go down it: the slower the
+    link both ways at once, the fewer layers streamed (none at 10 GB/s each way)."""
+    tight = 17 * 2**30
+    ks = []
+    for duplex in (10.0, 33.0, 50.0):
+        w = _work(options=EngineOptions(link_duplex_gbs=duplex))
+        _, streamed = plan_streaming(w, tight, FIXED, LAYER, list(range(32)), HOST)
+        ks.append(len(streamed))
+    assert ks[0] == 0 and ks[0] <= ks[1] <= ks[2] and ks[2] > 0
+
+
+def test_duplex_option_checked_and_from_env(monkeypatch):
+    from leantune.errors import LeantuneError
+
+    with pytest.raises(LeantuneError, match="--link-duplex-gbs must be positive"):
+        EngineOptions(link_duplex_gbs=0.0)
+    monkeypatch.setenv("LEANTUNE_LINK_DUPLEX_GBS", "50")
+    opts, names = EngineOptions().with_env_overrides()
+    assert opts.link_duplex_gbs == 50.0 and "link_duplex_gbs" in names

@@ -466,21 +466,33 @@ def least_plan_bytes(w: Workload, host_bytes: float | None = None) -> int:
 STREAM_MIN_GAIN = 0.01
 
 
+def both_ways_seconds(w: Workload, down: float, up: float) -> float:
+    """Seconds the host link takes to copy `down` bytes device -> host and `up` bytes host ->
+    device in one window: while both run, each at the duplex rate (link_duplex_gbs), the rest
+    at the one-way rate (link_gbs)."""
+    one, both = w.options.link_bytes_per_s, w.options.link_duplex_bytes_per_s
+    shared = min(down, up)
+    return shared / both + (max(down, up) - shared) / one
+
+
 def stream_cost_seconds(w: Workload, plans: list[LayerPlan], k: int,
                         layer_bytes: float) -> float:
     """The planner's time model of a plan with k layers' base weights streamed: its recompute,
-    plus any time the weight copies (host -> device) outrun the passes they overlap. Each
-    forward (and a preference objective's reference pass) copies k layers beside compute that
-    does not use that direction of the link; backward copies them beside the offloaded
-    activations coming back, over about twice a forward plus the recompute."""
+    plus any time the copies outrun the passes they overlap. Each forward copies k layers'
+    weights up the link while the offloaded activations go down it (both at the duplex rate
+    while both run: both_ways_seconds); a preference objective's reference pass copies the
+    weights alone; backward copies them beside the offloaded activations coming back (one
+    direction), over about twice a forward plus the recompute."""
     rate = FP8_FWD_FLOPS_PER_S if w.fp8 else FWD_FLOPS_PER_S
     recompute = recompute_flops(w, plans) / rate
     link = w.options.link_bytes_per_s
     fwd = forward_seconds(w)
-    passes = 2 if w.reference_pass else 1
-    over_fwd = passes * max(0.0, k * layer_bytes / link - fwd)
+    weights = k * layer_bytes
     offloaded = sum(plan_kept_bytes(w, p) for p in plans if p is not None and p.offload)
-    over_bwd = max(0.0, (k * layer_bytes + offloaded) / link - (2 * fwd + recompute))
+    over_fwd = max(0.0, both_ways_seconds(w, offloaded, weights) - fwd)
+    if w.reference_pass:
+        over_fwd += max(0.0, weights / link - fwd)
+    over_bwd = max(0.0, (weights + offloaded) / link - (2 * fwd + recompute))
     return recompute + over_fwd + over_bwd
 
 

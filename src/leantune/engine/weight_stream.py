@@ -8,10 +8,13 @@ keep gate/up on one or two layers; the weights cost host->device link time inste
 direction a forward leaves idle (its activation copies go device->host) and, in backward, beside
 the activation prefetch. The planner (engine/planner.plan_streaming) picks how many layers
 stream, if any, spaced evenly so each copy overlaps at least a layer of compute.
-Measured on an H200 (BENCHMARKS.md 2026-12-07): Llama-3.1-8B at 17 GiB streamed 16 layers and
-kept 8 more whole, at the same step rate as without (the copies cost what the saved recompute
-did: the planner's link model counts each direction on its own), so EngineOptions.stream_weights
-is off by default.
+The forward's weight copies share the link with the offloaded activations going the other way;
+the planner counts the shared part at the rate each way of both at once
+(EngineOptions.link_duplex_gbs: 33.6 GB/s measured on an H100 host, 50.8 on an H200's).
+Measured on an H200 (BENCHMARKS.md 2026-12-07): Phi-4 at 31 GiB streams 18 layers and runs 2.7%
+faster (8,060 against 7,849 tok/s); at Llama-3.1-8B 17 GiB (SFT and DPO) the planner now streams
+nothing, where streaming had run the same (SFT) or 1.7% slower (DPO, forced with a full-duplex
+link rate). EngineOptions.stream_weights stays off by default.
 
 A streamed layer's projections (q/k/v, gate/up, down packed as engine/weights.py packs them, and
 o) live in pinned host buffers of the packed layout; their `weight` Parameters are views of those.

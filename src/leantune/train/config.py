@@ -52,6 +52,7 @@ class EngineSettings:
     mlp_chunk_mib: float = 256.0
     mlp_forward_chunk_factor: float = 2.0
     link_gbs: float = 50.0
+    link_duplex_gbs: float = 33.0
     trim_offload: bool = True
     fuse_glu_lora: bool = True
     fuse_lora_add: bool = True

@@ -97,3 +97,44 @@ def test_env_switch(monkeypatch):
     monkeypatch.setenv("LEANTUNE_GEMM_RESIDUAL", "1")
     opts, names = EngineOptions().with_env_overrides()
     assert opts.gemm_residual and "gemm_residual" in names
+
+
+def test_a_residual_needs_a_group_of_one():
+    """A residual for a group of several projections is refused whatever the switches (it
+    would be dropped: no GEMM of one output takes it)."""
+    import pytest as _pytest
+
+    from leantune.engine.projections import ProjectionGroup
+    from leantune.engine.weights import DenseWeights
+
+    mlp = model_for(CONFIGS["llama"]).layers[0].mlp
+    x = torch.randn(3, mlp.gate_proj.in_features)
+    r = torch.randn(3, 2 * mlp.gate_proj.out_features)
+    for on in (True, False):
+        group = ProjectionGroup([mlp.gate_proj, mlp.up_proj], torch.float32,
+                                DenseWeights(EngineOptions(gemm_residual=on,
+                                                           pack_projections=False,
+                                                           fuse_lora_add=False)), pack=False)
+        with torch.no_grad(), _pytest.raises(ValueError, match="group of one projection"):
+            group.project(x, resid=r)
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_in_place_out_is_the_residual(on):
+    """out is resid (the GEMM writing over the residual): r + y either way."""
+    from leantune import kernels
+    from leantune.engine.projections import ProjectionGroup
+    from leantune.engine.weights import DenseWeights
+
+    o_proj = model_for(CONFIGS["llama"]).layers[0].self_attn.o_proj
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, o_proj.in_features, generator=g)
+    r = torch.randn(4, o_proj.out_features, generator=g)
+    with torch.no_grad(), kernels.backend("reference"):
+        want = r + o_proj(x)
+        group = ProjectionGroup([o_proj], torch.float32,
+                                DenseWeights(EngineOptions(gemm_residual=on,
+                                                           fuse_lora_add=False)), pack=False)
+        buf = r.clone()
+        got = group.project(x, resid=buf, out=buf)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -227,3 +227,46 @@ def test_grad_in_forward_unused_output():
         logp = kernels.token_logprobs(hidden, weight, targets)
     (g,) = torch.autograd.grad((logp * 0).sum() + hidden.sum() * 0, [hidden])
     assert not g.any()
+
+
+def test_grad_in_forward_env_switch(monkeypatch):
+    """LEANTUNE_LOGP_GRAD_IN_FORWARD=0 takes the recomputing backward (read at each call); a
+    value that is neither on nor off is refused."""
+    hidden, weight, targets = _data(5, 16, 133, torch.float32)
+    weight.requires_grad_(False)
+    for raw, name in (("0", "_TokenLogprobsFunction"), ("on", "_TokenLogprobsGradInForward")):
+        monkeypatch.setenv("LEANTUNE_LOGP_GRAD_IN_FORWARD", raw)
+        with kernels.backend("triton"):
+            logp = kernels.token_logprobs(hidden, weight, targets)
+        assert type(logp.grad_fn).__name__.startswith(name)
+    monkeypatch.setenv("LEANTUNE_LOGP_GRAD_IN_FORWARD", "maybe")
+    with pytest.raises(ValueError, match="LEANTUNE_LOGP_GRAD_IN_FORWARD"), \
+            kernels.backend("triton"):
+        kernels.token_logprobs(hidden, weight, targets)
+
+
+def test_grad_in_forward_strided_input_and_retain_graph():
+    """A non-contiguous hidden gets its gradient in its own layout; backward twice (retained
+    graph) adds the same gradient twice (nothing is scaled in place); no rows: empty outputs."""
+    base, weight, targets = _data(6, 32, 133, torch.float32)
+    weight.requires_grad_(False)
+    wide = torch.stack([base.detach(), base.detach()], 2).reshape(6, 64).requires_grad_()
+    hidden = wide[:, ::2]  # [6, 32] = base, strided
+    assert not hidden.is_contiguous()
+    up = torch.randn(6)
+    with kernels.backend("triton"):
+        logp = kernels.token_logprobs(hidden, weight, targets)
+    (logp * up).sum().backward(retain_graph=True)
+    once = wide.grad.clone()
+    (logp * up).sum().backward()
+    torch.testing.assert_close(wide.grad, 2 * once)
+    ref_h = base.detach().clone().requires_grad_()
+    with kernels.backend("reference"):
+        (kernels.token_logprobs(ref_h, weight, targets) * up).sum().backward()
+    torch.testing.assert_close(once[:, ::2], ref_h.grad, rtol=1e-5, atol=1e-5)
+    assert not once[:, 1::2].any()
+    empty = torch.empty(0, 32, requires_grad=True)
+    with kernels.backend("triton"):
+        out = kernels.token_logprobs(empty, weight, targets[:0])
+    out.sum().backward()
+    assert out.shape == (0,) and empty.grad.shape == (0, 32)

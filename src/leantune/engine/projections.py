@@ -123,6 +123,8 @@ class ProjectionGroup:
         y (glu_terms)."""
         if not lora and self.lora_in_gemm:
             raise ValueError("lora=False: this group's LoRA term is inside its packed GEMM")
+        if resid is not None and len(self.mods) != 1:
+            raise ValueError("resid needs a group of one projection")
         # the LoRA term after the GEMM (not inside it), with the residual in the same pass
         # (unless the GEMM writes over the residual: out is resid; then the GEMM adds it)
         fused = self.fuse_add and lora
@@ -154,8 +156,6 @@ class ProjectionGroup:
             y = self.source.mm(0, xin, out=out, resid=gemm_resid)
             ys = [y]
         else:
-            if resid is not None:
-                raise ValueError("resid needs a group of one projection")
             y = out if out is not None else torch.empty(x.shape[0], sum(self.outs),
                                                         dtype=x.dtype, device=x.device)
             ys = self.split(y)

@@ -4,12 +4,12 @@ host and come to the GPU one layer ahead of their use.
 In LoRA training the base weights never change, so a host copy is all a layer needs between its
 uses. Where the memory budget forces the planner to recompute activations (gate/up on most layers
 at Llama-3.1-8B 17 GiB or Phi-4 31 GiB), giving up a layer's ~0.4-0.7 GiB of weights buys room to
-keep gate/up on one or two layers; the weights cost host->device link time instead, in the
-direction a forward leaves idle (its activation copies go device->host) and, in backward, beside
-the activation prefetch. The planner (engine/planner.plan_streaming) picks how many layers
-stream, if any, spaced evenly so each copy overlaps at least a layer of compute.
-The forward's weight copies share the link with the offloaded activations going the other way;
-the planner counts the shared part at the rate each way of both at once
+keep gate/up on one or two layers; the weights cost host->device link time instead: in the
+forward beside the offloaded activations going the other way (device->host), in backward beside
+their prefetch. The planner (engine/planner.plan_streaming) picks how many layers stream, if
+any, spaced evenly so each copy overlaps at least a layer of compute. The forward's two
+directions do not run at full rate each at once: the planner counts the shared part at the rate
+each way of both at once
 (EngineOptions.link_duplex_gbs: 33.6 GB/s measured on an H100 host, 50.8 on an H200's).
 Measured on an H200 (BENCHMARKS.md 2026-12-07): Phi-4 at 31 GiB streams 18 layers and runs 2.7%
 faster (8,060 against 7,849 tok/s); at Llama-3.1-8B 17 GiB (SFT and DPO) the planner now streams

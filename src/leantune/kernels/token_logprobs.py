@@ -28,7 +28,7 @@ Fused algorithm (everything stays on the device, no host sync):
 Where the head is frozen (LoRA) and no entropy is asked for, the forward goes on, per chunk
 while its logits are in the buffer, to dz with an upstream of ones and d logp / d h = dx @ W
 (kept [N, H]); backward is then one row scaling, grad_hidden = dlogp[:, None] * (d logp / d h):
-2 products per chunk instead of 3 (`grad_in_forward`, GRAD_IN_FORWARD).
+2 products per chunk instead of 3 (`grad_in_forward`; LEANTUNE_LOGP_GRAD_IN_FORWARD=0: off).
 
 Memory / FLOP trade. Held from forward to backward: lse [N] fp32 (p = exp(z - lse) needs no
 separate max: z <= lse, so the exponent never overflows) and entropy [N] fp32 when returned,
@@ -63,9 +63,21 @@ except ImportError:  # the package works without Triton (reference path only)
 
 # Whether the Triton path forms d logp / d hidden in the forward where it can (a frozen head,
 # no entropy): one [chunk, V] x H product less per chunk, dh [N, H] held until backward instead.
-# LEANTUNE_LOGP_GRAD_IN_FORWARD=0 recomputes the logits in backward (benchmarks, debugging).
-GRAD_IN_FORWARD = os.environ.get("LEANTUNE_LOGP_GRAD_IN_FORWARD", "1").strip().lower() not in (
-    "0", "false", "off", "no")
+# LEANTUNE_LOGP_GRAD_IN_FORWARD=0 recomputes the logits in backward (benchmarks, debugging);
+# read at each call (grad_in_forward_default).
+GRAD_IN_FORWARD_ENV = "LEANTUNE_LOGP_GRAD_IN_FORWARD"
+
+
+def grad_in_forward_default() -> bool:
+    """On, unless LEANTUNE_LOGP_GRAD_IN_FORWARD says 0/false/off/no (1/true/on/yes: on; any
+    other value is refused, so a typo cannot switch it silently)."""
+    raw = os.environ.get(GRAD_IN_FORWARD_ENV)
+    if raw is None:
+        return True
+    v = raw.strip().lower()
+    if v not in ("1", "true", "on", "yes", "0", "false", "off", "no"):
+        raise ValueError(f"{GRAD_IN_FORWARD_ENV}={raw!r}: use 1 or 0")
+    return v in ("1", "true", "on", "yes")
 
 
 def _check_args(hidden, weight, targets, softcap, temperature) -> None:
@@ -356,7 +368,8 @@ class _TokenLogprobsGradInForward(torch.autograd.Function):
         (dh,) = ctx.saved_tensors
         if dlogp is None:
             return torch.zeros_like(dh), None, None, None, None, None, None
-        gh = (dh.float() * dlogp.float()[:, None]).to(dh.dtype)
+        # (rounded once, into dh's dtype: no fp32 [N, H] temporary)
+        gh = torch.mul(dh, dlogp.float()[:, None], out=torch.empty_like(dh))
         return gh, None, None, None, None, None, None
 
 
@@ -390,7 +403,7 @@ def token_logprobs_triton(hidden: torch.Tensor, weight: torch.Tensor, targets: t
 
     Through autograd when it will need gradients (grad mode on and hidden or weight requiring
     grad), keeping only the per-row softmax statistics; otherwise a plain forward. With
-    `grad_in_forward` (default GRAD_IN_FORWARD), no entropy and a frozen weight, the forward
+    `grad_in_forward` (default grad_in_forward_default(): on), no entropy and a frozen weight, the forward
     forms d logp / d hidden [N, H] instead, and backward only scales it per row (one logits
     product less per chunk).
     """
@@ -400,7 +413,7 @@ def token_logprobs_triton(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     tgt = targets.reshape(-1).contiguous()
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         if grad_in_forward is None:
-            grad_in_forward = GRAD_IN_FORWARD
+            grad_in_forward = grad_in_forward_default()
         if grad_in_forward and not return_entropy and not weight.requires_grad:
             return _TokenLogprobsGradInForward.apply(h, w, tgt, softcap, temperature,
                                                      ignore_index, chunk_bytes)

@@ -69,23 +69,31 @@ def test_fp8_adds_it_in_the_gemm_either_way(monkeypatch):
     assert not group.resid_in_gemm
 
 
-def test_out_given_and_resid_elsewhere():
-    """project(resid=r, out=o) with o another buffer: r + y in o, r untouched, both ways."""
-    from leantune import kernels
+def _o_group_and_inputs(on: bool, rows: int, seed: int):
+    """An unpacked o projection's group (gemm_residual `on`, LoRA added after the GEMM by
+    addmm_), its input x, a residual r and want = r + o(x)."""
     from leantune.engine.projections import ProjectionGroup
     from leantune.engine.weights import DenseWeights
 
     o_proj = model_for(CONFIGS["llama"]).layers[0].self_attn.o_proj
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(5, o_proj.in_features, generator=g)
-    r = torch.randn(5, o_proj.out_features, generator=g)
-    with torch.no_grad(), kernels.backend("reference"):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, o_proj.in_features, generator=g)
+    r = torch.randn(rows, o_proj.out_features, generator=g)
+    group = ProjectionGroup([o_proj], torch.float32,
+                            DenseWeights(EngineOptions(gemm_residual=on, fuse_lora_add=False)),
+                            pack=False)
+    with torch.no_grad():
         want = r + o_proj(x)
+    return group, x, r, want
+
+
+def test_out_given_and_resid_elsewhere():
+    """project(resid=r, out=o) with o another buffer: r + y in o, r untouched, both ways."""
+    from leantune import kernels
+
+    with torch.no_grad(), kernels.backend("reference"):
         for on in (True, False):
-            group = ProjectionGroup([o_proj], torch.float32,
-                                    DenseWeights(EngineOptions(gemm_residual=on,
-                                                               fuse_lora_add=False)),
-                                    pack=False)
+            group, x, r, want = _o_group_and_inputs(on, 5, 0)
             r0, out = r.clone(), torch.full_like(r, float("nan"))
             got = group.project(x, resid=r0, out=out)
             assert got.data_ptr() == out.data_ptr()
@@ -123,18 +131,9 @@ def test_a_residual_needs_a_group_of_one():
 def test_in_place_out_is_the_residual(on):
     """out is resid (the GEMM writing over the residual): r + y either way."""
     from leantune import kernels
-    from leantune.engine.projections import ProjectionGroup
-    from leantune.engine.weights import DenseWeights
 
-    o_proj = model_for(CONFIGS["llama"]).layers[0].self_attn.o_proj
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(4, o_proj.in_features, generator=g)
-    r = torch.randn(4, o_proj.out_features, generator=g)
+    group, x, r, want = _o_group_and_inputs(on, 4, 1)
     with torch.no_grad(), kernels.backend("reference"):
-        want = r + o_proj(x)
-        group = ProjectionGroup([o_proj], torch.float32,
-                                DenseWeights(EngineOptions(gemm_residual=on,
-                                                           fuse_lora_add=False)), pack=False)
         buf = r.clone()
         got = group.project(x, resid=buf, out=buf)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

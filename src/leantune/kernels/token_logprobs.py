@@ -35,8 +35,9 @@ separate max: z <= lse, so the exponent never overflows) and entropy [N] fp32 wh
 besides hidden and W themselves, which autograd holds anyway. Transient: one [chunk, V] logits
 buffer. A plain log_softmax holds [N, V] fp32 logits and log-probs (2 x 4.2 GB at 8192 x 128256)
 instead. The price is one extra logits product: forward 2NHV FLOPs, backward 2NHV (recompute) +
-2NHV (grad_hidden) + 2NHV (grad_W, full fine-tuning only), i.e. 3 (LoRA) or 4 products where
-unfused autograd does 2 or 3. The softmax statistics and W's gradient accumulate in fp32;
+2NHV (grad_hidden) + 2NHV (grad_W, full fine-tuning only), i.e. 3 (LoRA with entropy) or 4
+products where unfused autograd does 2 or 3; 2 with the gradient formed in the forward (LoRA,
+no entropy), which holds dh [N, H] in hidden's dtype until backward. The softmax statistics and W's gradient accumulate in fp32;
 logits are rounded to hidden's dtype first, as the unfused model computes them (bf16 in, fp32
 accumulate in the matrix products).
 
@@ -403,9 +404,9 @@ def token_logprobs_triton(hidden: torch.Tensor, weight: torch.Tensor, targets: t
 
     Through autograd when it will need gradients (grad mode on and hidden or weight requiring
     grad), keeping only the per-row softmax statistics; otherwise a plain forward. With
-    `grad_in_forward` (default grad_in_forward_default(): on), no entropy and a frozen weight, the forward
-    forms d logp / d hidden [N, H] instead, and backward only scales it per row (one logits
-    product less per chunk).
+    `grad_in_forward` (default: grad_in_forward_default(), on), no entropy and a frozen weight,
+    the forward forms d logp / d hidden [N, H] instead, and backward only scales it per row
+    (one logits product less per chunk).
     """
     _check_args(hidden, weight, targets, softcap, temperature)
     h = hidden if hidden.is_contiguous() else hidden.contiguous()
@@ -432,7 +433,9 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     (logp [N], entropy [N]) fp32 with return_entropy. Logits are soft-capped
     (softcap * tanh(x / softcap)) then divided by temperature before the softmax; rows whose
     target is ignore_index give 0 and get no gradient. Targets must be in [0, V) otherwise.
-    Triton path (chunked, no full logits) or reference, per `dispatch.use_triton`."""
+    Triton path (chunked, no full logits) or reference, per `dispatch.use_triton`.
+    grad_in_forward (Triton path): form d logp / d hidden in the forward where the weight is
+    frozen and no entropy is asked for (token_logprobs_triton); None: the default, on."""
     if use_triton(hidden):
         return token_logprobs_triton(hidden, weight, targets, softcap, temperature,
                                      return_entropy, ignore_index, chunk_bytes, grad_in_forward)

@@ -109,7 +109,7 @@ def run(shape: str, tokens: int, link: bool, device: str = "cuda") -> list[dict]
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--shape", nargs="+", default=["llama-3.1-8b"])
     ap.add_argument("--tokens", type=int, nargs="+", default=[6144, 8192])
     ap.add_argument("--link", action="store_true", help="also under host-link traffic")

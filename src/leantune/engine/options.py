@@ -63,10 +63,10 @@ class EngineOptions:
         rotary, no q/k norm).
     gemm_residual: a 16-bit projection's residual (down's; o's without a LoRA term) added by its
         cuBLAS GEMM (addmm, beta = 1), which PyTorch first copies into the output buffer, instead
-        of by one add pass after a plain GEMM. The copy ran under the offloading step's host-link
-        traffic at about a fifth of the add's rate (H100, Llama-3.1-8B: the down GEMM 602
-        TFLOP/s as addmm, 742 as mm): off by default. (FP8 GEMMs add it in their epilogue, and
-        a GEMM writing over the residual adds it in place, either way.)
+        of by one add pass after a plain GEMM. Alone the two run alike (bench/gpu_gemm_shapes.py);
+        in issue 20's DPO step the add pass was 0.6% faster, in the 8B SFT step no different
+        (H100, BENCHMARKS.md 2026-12-07): off by default. (FP8 GEMMs add it in their epilogue,
+        and a GEMM writing over the residual adds it in place, either way.)
     stream_weights: where the memory budget forces recompute, the planner may move some layers'
         frozen 16-bit base weights to pinned host memory, copied back to the GPU one layer ahead
         of each use (engine/weight_stream.py; engine/planner.plan_streaming), so that more

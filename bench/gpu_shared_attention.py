@@ -13,11 +13,13 @@ their log-sum-exps (exact; backward gets the merged output and log-sum-exp):
     C  [rejected] over itself, causal                       (equal lengths)
     rejected = merge(B, C)
 
+Measured on an H100 (BENCHMARKS.md 2026-12-07, seventeenth session) the split loses: per layer
+flash 0.29 ms forward + 1.03 backward, the cuDNN split 0.57 + 0.83 (and a general split over
+flash varlen 0.58 + 1.16; cuDNN's ragged op gave wrong results), so the engine keeps the one
+flash call and this script keeps the comparison.
+
 Variants, each checked against the flash path (largest |difference| of out, dq, dk, dv):
     flash-shared   the engine's AttentionBackend over the shared-prompt batch (what runs now)
-    flash-split    engine/prefix_split.py's split on flash varlen (EngineOptions
-                   split_shared_attention, flash)
-    cudnn-split    the same on cuDNN's ragged op (what split_shared_attention runs on CUDA)
     cudnn-dense    the split on [B, T] views (uniform pair lengths, one pair a row: what the
                    general case could gain at most)
 
@@ -153,22 +155,6 @@ def main():
     f = timed(flash_fwd)
     b = timed(lambda: backend.backward(dout, q, k, v, out, st, meta, None, scale))
     rows.append(("flash-shared", f, b, 0.0))
-
-    from dataclasses import replace as _replace
-    for kind in ("flash", "cudnn"):
-        sb = AttentionBackend(_replace(EngineOptions(), split_shared_attention=True))
-        sb.split_kind = kind
-        try:
-            o3, st3 = sb.forward(q, k, v, meta, None, scale)
-            got = (o3, *sb.backward(dout, q, k, v, o3, st3, meta, None, scale))
-            err = max(((a.float() - b_.float()).abs().max() / b_.float().abs().max()).item()
-                      for a, b_ in zip(got, ref))
-            f3 = timed(lambda: sb.forward(q, k, v, meta, None, scale))
-            b3 = timed(lambda: sb.backward(dout, q, k, v, o3, st3, meta, None, scale))
-            rows.append((f"{sb.split_kind}-split" + ("" if sb.split_kind == kind else
-                                                    f" (asked {kind})"), f3, b3, err))
-        except RuntimeError as e:
-            print(f"{kind}-split: {str(e).splitlines()[0][:300]}", flush=True)
 
     if T == 2 * Lc + Lp and B == P:
         try:

@@ -27,8 +27,8 @@
 #          stream-dpo: issue 20's DPO step with LEANTUNE_STREAM_WEIGHTS=1 and 0; stream-a: the
 #          1B check, the host link both ways at once, Phi-4; stream-prof: profiles streamed)
 #          stream-c (streaming with the duplex link model: 1B check, 8B, DPO, Phi-4)
-#          split (shared-prompt attention split into plain calls, engine/prefix_split.py: the
-#          attention call alone, then the DPO step with LEANTUNE_SPLIT_SHARED_ATTENTION=1 and 0)
+#          split (shared-prompt attention: one flash call over gathered keys against cuDNN on
+#          the attention split into plain calls, bench/gpu_shared_attention.py)
 #          phi4-prof (issue 22: the Phi-4 step profiled, streamed, at 31 GiB)
 #          micro (GEMM variants; the DPO and 8B SFT steps with EngineOptions.gemm_residual and
 #          LEANTUNE_LOGP_GRAD_IN_FORWARD each way)
@@ -140,11 +140,7 @@ profile_step as p; p.copy_bandwidth(torch.device('cuda'))" 2>&1 | tee -a "$OUT/l
                --no-baseline --shared on 2>&1 | tee -a "$OUT/log.txt" | grep -v "^{" \
                | grep -v -i warn | tail -n 5; done ;;
     split)   timeout 120 python bench/gpu_shared_attention.py 2>&1 | tee -a "$OUT/log.txt" \
-               | grep -v "^{" | tail -n 9
-             for s in 1 0 1; do echo "DPO with LEANTUNE_SPLIT_SHARED_ATTENTION=$s"
-               LEANTUNE_SPLIT_SHARED_ATTENTION=$s timeout 150 python bench/gpu_preference.py \
-                 --no-baseline --shared on 2>&1 | tee -a "$OUT/log.txt" | grep -v "^{" \
-                 | grep -v -i warn | tail -n 1; done ;;
+               | grep -v "^{" | tail -n 9 ;;
     phi4-prof) timeout 400 python bench/profile_step.py --no-ceilings --shape phi-4 \
                --policies auto@31+stream 2>&1 | tee -a "$OUT/log.txt" | grep -v "^{" | tail -n 90 ;;
     micro)  # exact savings: the GEMM variants (residual in the GEMM or after it; q/k/v's K

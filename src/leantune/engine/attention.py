@@ -35,10 +35,7 @@ from ..model.flash import flash_backward, flash_forward, flash_ok
 from ..model.sink_attention import add_sinks, sinks_grad
 from ..model.softcap_attention import softcap_attention_backward, softcap_attention_forward
 from .options import EngineOptions
-from .prefix_split import SplitState, split_backward, split_forward
 
-_CUDNN_RAGGED = hasattr(torch.ops.aten, "_cudnn_attention_forward") and hasattr(
-    torch.ops.aten, "_cudnn_attention_backward")
 _CUDNN_OPS = hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention") and hasattr(
     torch.ops.aten, "_scaled_dot_product_cudnn_attention_backward")
 
@@ -90,10 +87,6 @@ class AttentionBackend:
         self.use_cudnn = options.attention == "auto"
         self.use_flash = options.attention in ("auto", "flash")
         self.cudnn_gqa = SDPA_GQA  # try native GQA first (enable_gqa)
-        # shared-prompt batches split into plain ragged calls (engine/prefix_split.py): on
-        # cuDNN first, flash once cuDNN refuses them; None: not split
-        self.split_kind = (("cudnn" if _CUDNN_RAGGED and self.use_cudnn else "flash")
-                           if options.split_shared_attention and self.use_flash else None)
 
     def _cudnn_ok(self, q: torch.Tensor, meta: AttentionMeta, window: int | None) -> bool:
         return (self.use_cudnn and _CUDNN_OPS and q.is_cuda and meta.path == "varlen"
@@ -137,18 +130,6 @@ class AttentionBackend:
             dv = dv.reshape(B, T, Hk, rep, D).sum(3)
         return dq, dk, dv
 
-    def _split_forward(self, q, k, v, meta, scale):
-        """Shared prompts as two plain calls (engine/prefix_split.py); cuDNN refusing them
-        switches the split to flash for the rest of the process."""
-        if self.split_kind == "cudnn":
-            try:
-                return split_forward("cudnn", q, k, v, meta, scale)
-            except torch.OutOfMemoryError:
-                raise
-            except RuntimeError:
-                self.split_kind = "flash"
-        return split_forward("flash", q, k, v, meta, scale)
-
     def forward(self, q, k, v, meta: AttentionMeta, window: int | None, scale: float,
                 for_backward: bool = False, sinks: torch.Tensor | None = None,
                 softcap: float | None = None):
@@ -166,11 +147,6 @@ class AttentionBackend:
             if res is not None:
                 return res
         if meta.path == "varlen" and self.use_flash and flash_ok(q):
-            if (self.split_kind and window is None and meta.prefix_split is not None
-                    and sinks is None):
-                res = self._split_forward(q, k, v, meta, scale)
-                if res is not None:
-                    return res
             if meta.kv_index is not None:  # shared prompts: the key segments, gathered
                 kg, vg = gather_kv(k, v, meta.kv_index)
                 out, lse, rng = flash_forward(q, kg, vg, meta.cu_seqlens, meta.max_seqlen,
@@ -204,19 +180,6 @@ class AttentionBackend:
             except RuntimeError:  # cuDNN took the forward but refuses the backward: no cuDNN
                 self.use_cudnn = False  # from now on; this once, attention under autograd
                 state = None
-        if isinstance(state, SplitState):
-            try:
-                return split_backward(dout, q, k, v, out, state, meta, scale)
-            except torch.OutOfMemoryError:
-                raise
-            except RuntimeError:
-                if state.kind != "cudnn":
-                    raise
-                # cuDNN took the forward but refuses the backward: flash from now on (this
-                # once its forward again, for its own state)
-                self.split_kind = "flash"
-                out, state = split_forward("flash", q, k, v, meta, scale)
-                return split_backward(dout, q, k, v, out, state, meta, scale)
         if isinstance(state, GraphState):
             return torch.autograd.grad(state.out, state.leaves, dout)
         if isinstance(state, FlashState) and meta.kv_index is not None:

@@ -67,11 +67,6 @@ class EngineOptions:
         in issue 20's DPO step the add pass was 0.6% faster, in the 8B SFT step no different
         (H100, BENCHMARKS.md 2026-12-07): off by default. (FP8 GEMMs add it in their epilogue,
         and a GEMM writing over the residual adds it in place, either way.)
-    split_shared_attention: shared-prompt batches (preference pairs) run attention as two plain
-        ragged calls merged by their log-sum-exps (engine/prefix_split.py: each query segment
-        over its own rows, causal; each rejected completion over its prompt, unmasked), on cuDNN
-        where it takes them, else flash, instead of one flash call over gathered keys. Full-window
-        layers only.
     stream_weights: where the memory budget forces recompute, the planner may move some layers'
         frozen 16-bit base weights to pinned host memory, copied back to the GPU one layer ahead
         of each use (engine/weight_stream.py; engine/planner.plan_streaming), so that more
@@ -93,7 +88,6 @@ class EngineOptions:
     fuse_grad_quant: bool = True
     fuse_qkv_grad: bool = True
     gemm_residual: bool = False
-    split_shared_attention: bool = False
     stream_weights: bool = False
 
     def __post_init__(self):

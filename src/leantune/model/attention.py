@@ -69,9 +69,7 @@ class AttentionMeta:
         [B, S, Hk, D] buffers it returns, masks[window] being [B, 1, T, S].
     kv_index / cu_seqlens_k / max_seqlen_k: shared-prompt batches (module docstring): [Nk]
         int64 rows each key segment gathers, [segments + 1] int32 key segments, their longest
-        (host int); None / 0 otherwise.
-    prefix_split: shared-prompt batches on the varlen path: the segments with a prefix, for
-        attention split into plain calls (engine/prefix_split.py); None otherwise."""
+        (host int); None / 0 otherwise."""
 
     path: str
     cu_seqlens: torch.Tensor | None = None
@@ -82,7 +80,6 @@ class AttentionMeta:
     kv_index: torch.Tensor | None = None
     cu_seqlens_k: torch.Tensor | None = None
     max_seqlen_k: int = 0
-    prefix_split: object | None = None
 
     @classmethod
     def build(cls, batch_shape: tuple[int, int], device: torch.device, seq_lens: list[int] | None,
@@ -124,7 +121,6 @@ class AttentionMeta:
                 meta.kv_index = kv_index.to(device, non_blocking=True)
                 meta.cu_seqlens_k = cu_seqlens_k.to(device=device, dtype=torch.int32)
                 meta.max_seqlen_k = max_seqlen_k or max(seq_lens_k)
-                meta.prefix_split = PrefixSplit.build(seq_lens, seq_lens_k, device)
             return meta
         if path == "causal":
             return cls("causal", one_document_rows=True)
@@ -187,52 +183,6 @@ def shared_kv_index(seq_lens: list[int], seq_lens_k: list[int]) -> torch.Tensor:
     p = pre[segk]
     start_prev = cu[(segk - 1).clamp(min=0)]
     return torch.where(j < p, start_prev + j, cu[segk] + j - p)
-
-
-@dataclass
-class PrefixSplit:
-    """Per batch (AttentionMeta.prefix_split): the segments with a prefix.
-
-    q_rows      [N2] int64  token rows of those segments' queries (their own rows)
-    prefix_rows [K2] int64  token rows of their prefixes, segment by segment
-    cu_q, cu_k  [S2 + 1] int32 over q_rows / prefix_rows; max_q, max_k: the longest (host)"""
-
-    q_rows: torch.Tensor
-    prefix_rows: torch.Tensor
-    cu_q: torch.Tensor
-    cu_k: torch.Tensor
-    max_q: int
-    max_k: int
-
-    @staticmethod
-    def build(seq_lens: list[int], seq_lens_k: list[int], device) -> "PrefixSplit | None":
-        """From a shared-prompt batch's host lengths (key segment s = the first p =
-        seq_lens_k[s] - seq_lens[s] rows of query segment s - 1, then segment s's own rows:
-        model/attention.shared_kv_index); None where no segment has a prefix."""
-        starts, q_rows, prefix_rows, lq, lk = 0, [], [], [], []
-        first = []
-        for q in seq_lens:
-            first.append(starts)
-            starts += q
-        for s, (q, k) in enumerate(zip(seq_lens, seq_lens_k)):
-            p = k - q
-            if p <= 0:
-                continue
-            q_rows.append(torch.arange(first[s], first[s] + q))
-            prefix_rows.append(torch.arange(first[s - 1], first[s - 1] + p))
-            lq.append(q)
-            lk.append(p)
-        if not lq:
-            return None
-
-        def cu(lens):
-            c = torch.zeros(len(lens) + 1, dtype=torch.int32)
-            c[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
-            return c.to(device, non_blocking=True)
-
-        return PrefixSplit(torch.cat(q_rows).to(device, non_blocking=True),
-                           torch.cat(prefix_rows).to(device, non_blocking=True),
-                           cu(lq), cu(lk), max(lq), max(lk))
 
 
 def _cu_from_lens(seq_lens: list[int], device) -> torch.Tensor:

@@ -59,7 +59,6 @@ class EngineSettings:
     fuse_grad_quant: bool = True
     fuse_qkv_grad: bool = True
     gemm_residual: bool = False
-    split_shared_attention: bool = False
     stream_weights: bool = False
 
     def build(self) -> EngineOptions:

@@ -29,6 +29,9 @@
 #          stream-c (streaming with the duplex link model: 1B check, 8B, DPO, Phi-4)
 #          split (shared-prompt attention: one flash call over gathered keys against cuDNN on
 #          the attention split into plain calls, bench/gpu_shared_attention.py)
+#          phi4-sweep (issue 22: Phi-4 at 31 GiB streamed, the planner's choice and capped at 12
+#          and 8 layers (EngineOptions.stream_max_layers), and unstreamed; against transformers +
+#          PEFT where the card is an H200)
 #          phi4-prof (issue 22: the Phi-4 step profiled, streamed, at 31 GiB)
 #          micro (GEMM variants; the DPO and 8B SFT steps with EngineOptions.gemm_residual and
 #          LEANTUNE_LOGP_GRAD_IN_FORWARD each way)
@@ -141,6 +144,13 @@ profile_step as p; p.copy_bandwidth(torch.device('cuda'))" 2>&1 | tee -a "$OUT/l
                | grep -v -i warn | tail -n 5; done ;;
     split)   timeout 120 python bench/gpu_shared_attention.py 2>&1 | tee -a "$OUT/log.txt" \
                | grep -v "^{" | tail -n 9 ;;
+    phi4-sweep)
+             pol="auto@31+stream auto@31+stream+streammax:12 auto@31+stream+streammax:8 auto@31"
+             if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+               speed phi-4 560 $pol
+             else
+               speed phi-4 500 $pol --no-baseline
+             fi ;;
     phi4-prof) timeout 400 python bench/profile_step.py --no-ceilings --shape phi-4 \
                --policies auto@31+stream 2>&1 | tee -a "$OUT/log.txt" | grep -v "^{" | tail -n 90 ;;
     micro)  # exact savings: the GEMM variants (residual in the GEMM or after it; q/k/v's K

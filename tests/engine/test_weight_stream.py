@@ -314,3 +314,21 @@ def test_duplex_option_checked_and_from_env(monkeypatch):
     monkeypatch.setenv("LEANTUNE_LINK_DUPLEX_GBS", "50")
     opts, names = EngineOptions().with_env_overrides()
     assert opts.link_duplex_gbs == 50.0 and "link_duplex_gbs" in names
+
+
+def test_stream_max_layers_caps_the_planners_choice():
+    from dataclasses import replace
+
+    from leantune.engine.options import EngineOptions
+    from leantune.errors import LeantuneError
+
+    tight = 17 * 2**30
+    free = plan_streaming(_work(), tight, FIXED, LAYER, list(range(32)), HOST)[1]
+    assert len(free) > 4
+    for cap in (2, len(free) - 2):  # (a cap may leave too little gain to stream at all)
+        w = _work(options=replace(EngineOptions(), stream_max_layers=cap))
+        mem, streamed = plan_streaming(w, tight, FIXED, LAYER, list(range(32)), HOST)
+        assert len(streamed) <= cap and streamed == stream_positions(32, len(streamed))
+    assert streamed  # len(free) - 2 layers still gain
+    with pytest.raises(LeantuneError, match="--stream-max-layers must be 0"):
+        EngineOptions(stream_max_layers=-1)

@@ -70,7 +70,10 @@ class EngineOptions:
     stream_weights: where the memory budget forces recompute, the planner may move some layers'
         frozen 16-bit base weights to pinned host memory, copied back to the GPU one layer ahead
         of each use (engine/weight_stream.py; engine/planner.plan_streaming), so that more
-        layers keep their activations."""
+        layers keep their activations.
+    stream_max_layers: with stream_weights, the most layers whose weights may stream (0: the
+        planner's choice, up to half the layers). The planner's link model is per step, not per
+        layer, so where a measured plan waits on the link a cap can beat its choice."""
 
     kernels: str = "auto"
     fused_layers: bool = True
@@ -89,6 +92,7 @@ class EngineOptions:
     fuse_qkv_grad: bool = True
     gemm_residual: bool = False
     stream_weights: bool = False
+    stream_max_layers: int = 0
 
     def __post_init__(self):
         if self.kernels not in KERNELS:
@@ -97,6 +101,9 @@ class EngineOptions:
         if self.attention not in ATTENTION:
             raise LeantuneError(f"--attention must be one of {', '.join(ATTENTION)}, got "
                                 f"{self.attention!r}")
+        if self.stream_max_layers < 0:
+            raise LeantuneError(f"--stream-max-layers must be 0 (no cap) or more, got "
+                                f"{self.stream_max_layers}")
         if self.pack_align < 1:
             raise LeantuneError(f"pack_align must be 1 or more, got {self.pack_align}")
         for name in ("mlp_chunk_mib", "mlp_forward_chunk_factor", "link_gbs",

@@ -502,7 +502,8 @@ def plan_streaming(w: Workload, budget_bytes: float, fixed_bytes: float, layer_b
     """The fastest plan_memory plan with k of the `streamable` layers' base weights (each
     `layer_bytes`, what `fixed_bytes` holds now) streamed from pinned host memory: the fixed
     bytes lose k layers' weights and gain two slots. k = 0, 2, 4, ... up to half the layers
-    (each copy then overlaps at least one other layer's compute), where the host has room;
+    (each copy then overlaps at least one other layer's compute; at most
+    EngineOptions.stream_max_layers where set), where the host has room;
     streamed layers are spread evenly (weight_stream.stream_positions). Returns the plan and
     the streamed layers' indices ([] where streaming gains less than STREAM_MIN_GAIN of a step
     in stream_cost_seconds, or cannot run: autograd path, generation inside the step). Where
@@ -514,6 +515,8 @@ def plan_streaming(w: Workload, budget_bytes: float, fixed_bytes: float, layer_b
     most = 0
     if not w.autograd and w.generation is None and layer_bytes > 0:
         most = min(len(streamable), L // 2)
+        if w.options.stream_max_layers:
+            most = min(most, w.options.stream_max_layers)
     first = None
     plans = {}  # k -> (cost, plan)
     for k in [0, *range(2, most + 1, 2)]:

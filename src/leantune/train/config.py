@@ -60,6 +60,7 @@ class EngineSettings:
     fuse_qkv_grad: bool = True
     gemm_residual: bool = False
     stream_weights: bool = False
+    stream_max_layers: int = 0
 
     def build(self) -> EngineOptions:
         """The checked EngineOptions of these settings (a bad value: one line)."""

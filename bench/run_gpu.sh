@@ -32,6 +32,8 @@
 #          phi4-sweep (issue 22: Phi-4 at 31 GiB streamed, the planner's choice and capped at 12
 #          and 8 layers (EngineOptions.stream_max_layers), and unstreamed; against transformers +
 #          PEFT where the card is an H200)
+#          prefetch2 (EngineOptions.prefetch_depth 2 against 1: Phi-4 at 31 GiB streamed and
+#          not, against transformers + PEFT where the card is an H200; the DPO step)
 #          phi4-prof (issue 22: the Phi-4 step profiled, streamed, at 31 GiB)
 #          micro (GEMM variants; the DPO and 8B SFT steps with EngineOptions.gemm_residual and
 #          LEANTUNE_LOGP_GRAD_IN_FORWARD each way)
@@ -151,6 +153,15 @@ profile_step as p; p.copy_bandwidth(torch.device('cuda'))" 2>&1 | tee -a "$OUT/l
              else
                speed phi-4 500 $pol --no-baseline
              fi ;;
+    prefetch2)
+             base="--no-baseline"
+             nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && base=""
+             LEANTUNE_PREFETCH_DEPTH=2 speed phi-4 330 auto@31+stream auto@31 $base
+             LEANTUNE_PREFETCH_DEPTH=1 speed phi-4 200 auto@31+stream auto@31 --no-baseline
+             for d in 2 1; do echo "DPO with LEANTUNE_PREFETCH_DEPTH=$d"
+               LEANTUNE_PREFETCH_DEPTH=$d timeout 150 python bench/gpu_preference.py \
+                 --no-baseline --shared on 2>&1 | tee -a "$OUT/log.txt" | grep -v "^{" \
+                 | grep -v -i warn | tail -n 1; done ;;
     phi4-prof) timeout 400 python bench/profile_step.py --no-ceilings --shape phi-4 \
                --policies auto@31+stream 2>&1 | tee -a "$OUT/log.txt" | grep -v "^{" | tail -n 90 ;;
     micro)  # exact savings: the GEMM variants (residual in the GEMM or after it; q/k/v's K

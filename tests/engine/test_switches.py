@@ -82,3 +82,28 @@ def test_hand_built_batch_without_host_lengths_keeps_documents_apart():
     assert bare.seq_lens == full.seq_lens and bare.max_seqlen == full.max_seqlen
     with torch.no_grad():
         torch.testing.assert_close(model(batch=bare).logits, model(batch=full).logits)
+
+
+def test_prefetch_depth_two_agrees_and_counts_in_the_planner():
+    """EngineOptions.prefetch_depth 2 (two offloaded layers below brought back at once) gives
+    the same loss and gradients as 1, and the planner's backward peak counts the extra layer."""
+    from leantune.engine import Keep
+    from leantune.engine.planner import Workload, kept_bytes, plan_peak_bytes
+
+    batch = packed_batch()
+    plans = [LayerPlan(Keep.ATTENTION, offload=True)] * 3
+    results = []
+    for depth in (1, 2):
+        model = tiny_lora_model()
+        engine = attach(model, plans, EngineOptions(prefetch_depth=depth))
+        results.append(loss_and_grads(model, batch))
+        assert engine is not None
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=0, atol=0)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=0, atol=0)
+    cfg = ModelConfig.from_dict(dict(CFG, num_hidden_layers=6))
+    six = [LayerPlan(Keep.ATTENTION, offload=True)] * 5 + [LayerPlan(Keep.ALL)]
+    one, two = (plan_peak_bytes(Workload(cfg, 4096, 2, options=EngineOptions(prefetch_depth=d)),
+                                six) for d in (1, 2))
+    assert two - one == kept_bytes(Workload(cfg, 4096, 2), Keep.ATTENTION)
+    with pytest.raises(Exception, match="--prefetch-depth must be 1 or 2"):
+        EngineOptions(prefetch_depth=3)

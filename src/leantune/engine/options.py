@@ -71,6 +71,9 @@ class EngineOptions:
         frozen 16-bit base weights to pinned host memory, copied back to the GPU one layer ahead
         of each use (engine/weight_stream.py; engine/planner.plan_streaming), so that more
         layers keep their activations.
+    prefetch_depth: how many offloaded layers below the one in backward are being brought back
+        at once (1: the next; 2: the next two, so a copy late behind a streamed layer's weights
+        has two layers' time; the planner counts the extra layer's state in the peak).
     stream_max_layers: with stream_weights, the most layers whose weights may stream (0: the
         planner's choice, up to half the layers). The planner's link model is per step, not per
         layer, so where a measured plan waits on the link a cap can beat its choice."""
@@ -93,6 +96,7 @@ class EngineOptions:
     gemm_residual: bool = False
     stream_weights: bool = False
     stream_max_layers: int = 0
+    prefetch_depth: int = 1
 
     def __post_init__(self):
         if self.kernels not in KERNELS:
@@ -101,6 +105,8 @@ class EngineOptions:
         if self.attention not in ATTENTION:
             raise LeantuneError(f"--attention must be one of {', '.join(ATTENTION)}, got "
                                 f"{self.attention!r}")
+        if self.prefetch_depth not in (1, 2):
+            raise LeantuneError(f"--prefetch-depth must be 1 or 2, got {self.prefetch_depth}")
         if self.stream_max_layers < 0:
             raise LeantuneError(f"--stream-max-layers must be 0 (no cap) or more, got "
                                 f"{self.stream_max_layers}")

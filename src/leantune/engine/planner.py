@@ -318,7 +318,8 @@ def plan_peak_bytes(w: Workload, plans: list[LayerPlan],
     for i, p in enumerate(plans):
         whole = p.keep == Keep.ALL
         forward = below + in_flight(i) + rest + (whole_fwd if whole else mlp_fwd)
-        prefetch = kept[i - 1] if i > 0 and plans[i - 1].offload else 0
+        prefetch = sum(kept[j] for j in range(max(0, i - w.options.prefetch_depth), i)
+                       if plans[j].offload)
         own = max(kept[i], k1)  # a layer that kept less than its attention state rebuilds it
         backward = below + own + prefetch + rest + (whole_bwd if whole else mlp_bwd)
         peak = max(peak, forward, backward)

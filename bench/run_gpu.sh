@@ -34,6 +34,8 @@
 #          PEFT where the card is an H200)
 #          prefetch2 (EngineOptions.prefetch_depth 2 against 1: Phi-4 at 31 GiB streamed and
 #          not, against transformers + PEFT where the card is an H200; the DPO step)
+#          phi4 (issue 22: Phi-4 at 31 GiB with --stream-weights and without, the defaults,
+#          against transformers + PEFT where the card is an H200)
 #          phi4-prof (issue 22: the Phi-4 step profiled, streamed, at 31 GiB)
 #          micro (GEMM variants; the DPO and 8B SFT steps with EngineOptions.gemm_residual and
 #          LEANTUNE_LOGP_GRAD_IN_FORWARD each way)
@@ -162,6 +164,9 @@ profile_step as p; p.copy_bandwidth(torch.device('cuda'))" 2>&1 | tee -a "$OUT/l
                LEANTUNE_PREFETCH_DEPTH=$d timeout 150 python bench/gpu_preference.py \
                  --no-baseline --shared on 2>&1 | tee -a "$OUT/log.txt" | grep -v "^{" \
                  | grep -v -i warn | tail -n 1; done ;;
+    phi4)    base="--no-baseline"
+             nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && base=""
+             speed phi-4 400 auto@31+stream auto@31 $base ;;
     phi4-prof) timeout 400 python bench/profile_step.py --no-ceilings --shape phi-4 \
                --policies auto@31+stream 2>&1 | tee -a "$OUT/log.txt" | grep -v "^{" | tail -n 90 ;;
     micro)  # exact savings: the GEMM variants (residual in the GEMM or after it; q/k/v's K

@@ -186,6 +186,9 @@ def _train_parser(sub) -> None:
                    help="where the memory budget forces recompute, let the planner keep some "
                         "layers' frozen base weights in pinned host memory, copied to the GPU a "
                         "layer ahead of each use, so more layers keep their activations")
+    e.add_argument("--prefetch-depth", type=int, choices=[0, 1, 2],
+                   help="offloaded layers brought back at once in backward (default 0: 2 where "
+                        "base weights stream, else 1)")
     e.add_argument("--stream-max-layers", type=int,
                    help="with --stream-weights, the most layers whose weights stream (default 0: "
                         "the planner's choice)")

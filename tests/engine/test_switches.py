@@ -95,9 +95,8 @@ def test_prefetch_depth_two_agrees_and_counts_in_the_planner():
     results = []
     for depth in (1, 2):
         model = tiny_lora_model()
-        engine = attach(model, plans, EngineOptions(prefetch_depth=depth))
+        attach(model, plans, EngineOptions(prefetch_depth=depth))
         results.append(loss_and_grads(model, batch))
-        assert engine is not None
     torch.testing.assert_close(results[1][0], results[0][0], rtol=0, atol=0)
     torch.testing.assert_close(results[1][1], results[0][1], rtol=0, atol=0)
     cfg = ModelConfig.from_dict(dict(CFG, num_hidden_layers=6))
@@ -105,5 +104,10 @@ def test_prefetch_depth_two_agrees_and_counts_in_the_planner():
     one, two = (plan_peak_bytes(Workload(cfg, 4096, 2, options=EngineOptions(prefetch_depth=d)),
                                 six) for d in (1, 2))
     assert two - one == kept_bytes(Workload(cfg, 4096, 2), Keep.ATTENTION)
-    with pytest.raises(Exception, match="--prefetch-depth must be 1 or 2"):
+    with pytest.raises(Exception, match="--prefetch-depth must be 0"):
         EngineOptions(prefetch_depth=3)
+    # 0 (the default): 2 where base weights stream, else 1 (planner and executor alike)
+    auto = EngineOptions()
+    assert (auto.prefetch_layers(True), auto.prefetch_layers(False)) == (2, 1)
+    streamed = plan_peak_bytes(Workload(cfg, 4096, 2, streaming=True), six)
+    assert streamed == two and plan_peak_bytes(Workload(cfg, 4096, 2), six) == one

@@ -560,7 +560,8 @@ class _LayerRun:
         store = self.ex.store
         kept = store.get(self.handle)
         store.prefetch(self.handle.prev)  # load the layer below while this one runs
-        if self.ex.options.prefetch_depth > 1 and self.handle.prev is not None:
+        if (self.ex.options.prefetch_layers(self.ex.stream is not None) > 1
+                and self.handle.prev is not None):
             store.prefetch(self.handle.prev.prev)  # and the one below it
         grads: dict = {}
         dout = dout.reshape(N, H)

@@ -73,7 +73,11 @@ class EngineOptions:
         layers keep their activations.
     prefetch_depth: how many offloaded layers below the one in backward are being brought back
         at once (1: the next; 2: the next two, so a copy late behind a streamed layer's weights
-        has two layers' time; the planner counts the extra layer's state in the peak).
+        has two layers' time; the planner counts the extra layer's state in the peak). 0 (the
+        default): 2 where base weights stream, else 1. Measured on an H100 (BENCHMARKS.md
+        2026-12-07, seventeenth session): Phi-4 at 31 GiB streamed 7,897 -> 8,081 tok/s with 2,
+        unstreamed the same (7,722 / 7,719); the DPO step unstreamed 13,370 -> 13,250 (the
+        extra state cost a layer that kept everything).
     stream_max_layers: with stream_weights, the most layers whose weights may stream (0: the
         planner's choice, up to half the layers). The planner's link model is per step, not per
         layer, so where a measured plan waits on the link a cap can beat its choice."""
@@ -96,7 +100,7 @@ class EngineOptions:
     gemm_residual: bool = False
     stream_weights: bool = False
     stream_max_layers: int = 0
-    prefetch_depth: int = 1
+    prefetch_depth: int = 0
 
     def __post_init__(self):
         if self.kernels not in KERNELS:
@@ -105,8 +109,9 @@ class EngineOptions:
         if self.attention not in ATTENTION:
             raise LeantuneError(f"--attention must be one of {', '.join(ATTENTION)}, got "
                                 f"{self.attention!r}")
-        if self.prefetch_depth not in (1, 2):
-            raise LeantuneError(f"--prefetch-depth must be 1 or 2, got {self.prefetch_depth}")
+        if self.prefetch_depth not in (0, 1, 2):
+            raise LeantuneError(f"--prefetch-depth must be 0 (auto), 1 or 2, got "
+                                f"{self.prefetch_depth}")
         if self.stream_max_layers < 0:
             raise LeantuneError(f"--stream-max-layers must be 0 (no cap) or more, got "
                                 f"{self.stream_max_layers}")
@@ -117,6 +122,11 @@ class EngineOptions:
             value = getattr(self, name)
             if not value > 0:  # (also refuses NaN)
                 raise LeantuneError(f"--{name.replace('_', '-')} must be positive, got {value}")
+
+    def prefetch_layers(self, streaming: bool) -> int:
+        """The prefetch depth in effect: prefetch_depth, or where 0, 2 with streamed base
+        weights and 1 without."""
+        return self.prefetch_depth or (2 if streaming else 1)
 
     @property
     def mlp_chunk_bytes(self) -> int:

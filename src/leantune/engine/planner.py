@@ -114,6 +114,8 @@ class Workload:
     # most two sequences' worth), and attention gathers k/v per layer (gathered_kv_bytes)
     shared_prompt: bool = False
     fp8: bool = False  # an FP8 base (--precision fp8): a faster forward (FP8_FWD_FLOPS_PER_S)
+    streaming: bool = False  # some layers' base weights stream (plan_streaming, k > 0): the
+    # prefetch depth EngineOptions.prefetch_layers gives then
 
 
 def gathered_kv_bytes(w: Workload) -> float:
@@ -314,12 +316,12 @@ def plan_peak_bytes(w: Workload, plans: list[LayerPlan],
     def in_flight(i):  # offloaded layers' copies that may still be under way at layer i
         return sum(kept[j] for j in range(max(0, i - IN_FLIGHT_LAYERS), i) if plans[j].offload)
 
+    depth = w.options.prefetch_layers(w.streaming)  # offloaded layers below coming back at once
     peak, below = 0.0, 0
     for i, p in enumerate(plans):
         whole = p.keep == Keep.ALL
         forward = below + in_flight(i) + rest + (whole_fwd if whole else mlp_fwd)
-        prefetch = sum(kept[j] for j in range(max(0, i - w.options.prefetch_depth), i)
-                       if plans[j].offload)
+        prefetch = sum(kept[j] for j in range(max(0, i - depth), i) if plans[j].offload)
         own = max(kept[i], k1)  # a layer that kept less than its attention state rebuilds it
         backward = below + own + prefetch + rest + (whole_bwd if whole else mlp_bwd)
         peak = max(peak, forward, backward)
@@ -522,18 +524,19 @@ def plan_streaming(w: Workload, budget_bytes: float, fixed_bytes: float, layer_b
     plans = {}  # k -> (cost, plan)
     for k in [0, *range(2, most + 1, 2)]:
         fixed = fixed_bytes - k * layer_bytes + (2 * layer_bytes if k else 0)
+        wk = replace(w, streaming=k > 0)
         try:
-            mem = plan_memory(w, budget_bytes, fixed, host_bytes)
+            mem = plan_memory(wk, budget_bytes, fixed, host_bytes)
         except BudgetTooSmall as e:
             first = first or e
             continue
         # pinned host memory: the streamed weights beside the offloaded activations (each of
         # which plan_memory lets take up to half the host's)
-        pinned = k * layer_bytes + sum(plan_kept_bytes(w, p) for p in mem.layers
+        pinned = k * layer_bytes + sum(plan_kept_bytes(wk, p) for p in mem.layers
                                        if p is not None and p.offload)
         if k and pinned > 0.75 * host:
             break
-        plans[k] = (stream_cost_seconds(w, mem.layers, k, layer_bytes), mem)
+        plans[k] = (stream_cost_seconds(wk, mem.layers, k, layer_bytes), mem)
     if not plans:
         raise first
     k = min(plans, key=lambda n: (plans[n][0], n))

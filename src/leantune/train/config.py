@@ -61,7 +61,7 @@ class EngineSettings:
     gemm_residual: bool = False
     stream_weights: bool = False
     stream_max_layers: int = 0
-    prefetch_depth: int = 1
+    prefetch_depth: int = 0
 
     def build(self) -> EngineOptions:
         """The checked EngineOptions of these settings (a bad value: one line)."""

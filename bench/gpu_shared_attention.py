@@ -36,24 +36,14 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+sys.path.insert(0, os.path.dirname(__file__))
 
 from leantune.data.preference import PreferencePair, _pack_shared  # noqa: E402
 from leantune.engine.attention import AttentionBackend  # noqa: E402
 from leantune.engine.options import EngineOptions  # noqa: E402
 from leantune.model.attention import AttentionMeta  # noqa: E402
 
-
-def timed(fn, n=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / n
+from harness import mean_ms as timed  # noqa: E402
 
 
 def bhtd(t):

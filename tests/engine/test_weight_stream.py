@@ -332,3 +332,33 @@ def test_stream_max_layers_caps_the_planners_choice():
     assert streamed  # len(free) - 2 layers still gain
     with pytest.raises(LeantuneError, match="--stream-max-layers must be 0"):
         EngineOptions(stream_max_layers=-1)
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_a_layer_that_does_not_stream_starts_the_copy_two_ahead(ahead):
+    """EngineOptions.stream_fill_ahead: at layer 1 (not streamed, between 0 and 2) layer 4's
+    copy starts into the slot layer 0 used; off, it starts at layer 2. Losses and gradients
+    are bit-identical either way."""
+    plain = model_for(CFG)
+    _engine(plain, [])
+    want = _steps(plain, n=2)
+    model = model_for(CFG)
+    engine = _engine(model, [0, 2, 4], stream_fill_ahead=ahead)
+    stream, layers = engine.stream, list(model.layers)
+    at, fills = [None], []
+    real_using, real_fill = stream.using, stream._fill
+
+    def using(layer, direction=1):
+        at[0] = (layers.index(layer), direction)
+        return real_using(layer, direction)
+
+    def fill(layer):
+        fills.append((at[0], layers.index(layer)))
+        return real_fill(layer)
+
+    stream.using, stream._fill = using, fill
+    got = _steps(model, n=2)
+    for (l1, g1), (l2, g2) in zip(want, got):
+        assert torch.equal(l1, l2) and all(torch.equal(a, b) for a, b in zip(g1, g2))
+    first = next(where for where, filled in fills if filled == 4)
+    assert first == ((1, 1) if ahead else (2, 1))

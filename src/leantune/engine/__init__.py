@@ -102,7 +102,7 @@ class Engine:
                 raise ValueError(f"layer {i} is not on the fused path: its weights cannot "
                                  "stream")
         device = layers[indices[0]].self_attn.q_proj.weight.device
-        stream = WeightStream(device)
+        stream = WeightStream(device, fill_ahead=self.options.stream_fill_ahead)
         stream.offload([layers[i] for i in indices], layers, self.weights)
         stream.hook(layers)
         self.stream = stream

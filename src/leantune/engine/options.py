@@ -78,6 +78,9 @@ class EngineOptions:
         2026-12-07, seventeenth session): Phi-4 at 31 GiB streamed 7,897 -> 8,081 tok/s with 2,
         unstreamed the same (7,722 / 7,719); the DPO step unstreamed 13,370 -> 13,250 (the
         extra state cost a layer that kept everything).
+    stream_fill_ahead: with streamed weights, a layer that does not stream starts the copy of the
+        streamed layer two ahead, into the slot the last streamed layer freed, so each copy
+        overlaps more compute (engine/weight_stream.py); the same two GPU slots.
     stream_max_layers: with stream_weights, the most layers whose weights may stream (0: the
         planner's choice, up to half the layers). The planner's link model is per step, not per
         layer, so where a measured plan waits on the link a cap can beat its choice."""
@@ -100,6 +103,7 @@ class EngineOptions:
     gemm_residual: bool = False
     stream_weights: bool = False
     stream_max_layers: int = 0
+    stream_fill_ahead: bool = True
     prefetch_depth: int = 0
 
     def __post_init__(self):

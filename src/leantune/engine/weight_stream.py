@@ -21,7 +21,10 @@ o) live in pinned host buffers of the packed layout; their `weight` Parameters a
 Two GPU slots (a buffer per group shape each) take turns: the streamed layers in model order use
 slots 0, 1, 0, 1, ... While layer s_j runs, s_{j+1}'s weights (s_{j-1} going backward) are copied
 into the other slot on a side stream, after the compute stream's work queued so far (the slot's
-last user). `using(layer, direction)` makes the layer's weights resident (waiting for its copy
+last user). With `fill_ahead` (EngineOptions.stream_fill_ahead), a layer that does not stream,
+between s_{j-1} and s_j, already starts s_{j+1}'s copy into s_{j-1}'s slot (free: no slot is in
+use while such a layer runs), so that copy overlaps the layers from s_{j-1} on, not only those
+from s_j. `using(layer, direction)` makes the layer's weights resident (waiting for its copy
 only), points its modules' weights at the slot for the duration, starts the next copy, and on
 exit points them back at the host buffers, so no module is ever left reading a slot another
 layer has taken over. The engine wraps every layer's forward in it (module hooks: the fused path
@@ -98,8 +101,10 @@ class _Group:
 class WeightStream:
     """The streamed layers of one model (module docstring)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, fill_ahead: bool = True):
         self.device = torch.device(device)
+        self.fill_ahead = fill_ahead        # a layer that does not stream starts the copy two
+        # streamed layers ahead too (module docstring)
         self.layers: list = []              # streamed layers in model order
         self.groups: dict[int, list] = {}   # id(layer) -> its _Groups
         self.order: dict[int, int] = {}     # id(layer) -> position among the streamed
@@ -210,6 +215,11 @@ class WeightStream:
         nxt = self._next(layer, direction)
         if nxt is not None:  # (into the other slot, whose last user is queued already)
             self._fill(nxt)
+            after = self._next(nxt, direction) if self.fill_ahead else None
+            if after is not None and not self.streams(layer):
+                # no slot is in use now: the one after nxt goes into the slot the last streamed
+                # layer used (its work is queued), a gap of layers earlier than at nxt itself
+                self._fill(after)
         try:
             yield
         finally:

@@ -168,7 +168,7 @@ profile_step as p; p.copy_bandwidth(torch.device('cuda'))" 2>&1 | tee -a "$OUT/l
     phi4)    base="--no-baseline"
              nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && base=""
              speed phi-4 400 auto@31+stream auto@31 $base ;;
-    fill-ahead) speed phi-4 300 auto@31+stream auto@31+stream+nofillahead --no-baseline ;;
+    fill-ahead) speed phi-4 300 auto@31+stream+fillahead auto@31+stream --no-baseline ;;
     phi4-prof) timeout 400 python bench/profile_step.py --no-ceilings --shape phi-4 \
                --policies auto@31+stream 2>&1 | tee -a "$OUT/log.txt" | grep -v "^{" | tail -n 90 ;;
     micro)  # exact savings: the GEMM variants (residual in the GEMM or after it; q/k/v's K

@@ -47,8 +47,8 @@ def make_trainer(shape, batch, policy, steps, device, lora_targets="q,k,v,o,gate
     layers of the plan keep everything, still offloaded), "+fp8" (--precision fp8), "+stream"
     (EngineOptions.stream_weights: the planner may stream base weights from the host), "+gemmres"
     (EngineOptions.gemm_residual: down's residual added by its cuBLAS GEMM), "+streammax:K"
-    (with +stream: at most K layers streamed, EngineOptions.stream_max_layers), "+nofillahead"
-    (EngineOptions.stream_fill_ahead off)."""
+    (with +stream: at most K layers streamed, EngineOptions.stream_max_layers), "+fillahead"
+    (EngineOptions.stream_fill_ahead on)."""
     base = leantune_model(shape, device, dtype=_dtype(device))
     ckpt, *extras = policy.split("+")
     ckpt, _, budget = ckpt.partition("@")
@@ -65,7 +65,7 @@ def make_trainer(shape, batch, policy, steps, device, lora_targets="q,k,v,o,gate
                       offload_embedding="noembed" not in extras,
                       precision="fp8" if "fp8" in extras else "bf16",
                       stream_weights="stream" in extras, gemm_residual="gemmres" in extras,
-                      stream_fill_ahead="nofillahead" not in extras,
+                      stream_fill_ahead="fillahead" in extras,
                       stream_max_layers=next((int(e.partition(":")[2]) for e in extras
                                               if e.startswith("streammax:")), 0))
     docs = [(batch.input_ids[0].tolist(), batch.labels[0].tolist())]

@@ -189,10 +189,10 @@ def _train_parser(sub) -> None:
     e.add_argument("--prefetch-depth", type=int, choices=[0, 1, 2],
                    help="offloaded layers brought back at once in backward (default 0: 2 where "
                         "base weights stream, else 1)")
-    e.add_argument("--no-stream-fill-ahead", dest="stream_fill_ahead", action="store_false",
-                   default=None, help="with --stream-weights, start each layer's weight copy only "
-                                      "one streamed layer ahead (by default a layer that does not "
-                                      "stream starts the one two ahead)")
+    e.add_argument("--stream-fill-ahead", dest="stream_fill_ahead", action="store_true",
+                   default=None, help="with --stream-weights, a layer that does not stream starts "
+                                      "the weight copy two streamed layers ahead (default: one "
+                                      "ahead; experimental, not yet timed on a GPU)")
     e.add_argument("--stream-max-layers", type=int,
                    help="with --stream-weights, the most layers whose weights stream (default 0: "
                         "the planner's choice)")

@@ -80,7 +80,9 @@ class EngineOptions:
         extra state cost a layer that kept everything).
     stream_fill_ahead: with streamed weights, a layer that does not stream starts the copy of the
         streamed layer two ahead, into the slot the last streamed layer freed, so each copy
-        overlaps more compute (engine/weight_stream.py); the same two GPU slots.
+        overlaps more compute (engine/weight_stream.py); the same two GPU slots. Off by default:
+        not yet timed on a GPU (its copies queue behind the earlier ones on their own stream, but
+        they take link time from the activations' copies sooner).
     stream_max_layers: with stream_weights, the most layers whose weights may stream (0: the
         planner's choice, up to half the layers). The planner's link model is per step, not per
         layer, so where a measured plan waits on the link a cap can beat its choice."""
@@ -103,7 +105,7 @@ class EngineOptions:
     gemm_residual: bool = False
     stream_weights: bool = False
     stream_max_layers: int = 0
-    stream_fill_ahead: bool = True
+    stream_fill_ahead: bool = False
     prefetch_depth: int = 0
 
     def __post_init__(self):

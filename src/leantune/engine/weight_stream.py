@@ -101,7 +101,7 @@ class _Group:
 class WeightStream:
     """The streamed layers of one model (module docstring)."""
 
-    def __init__(self, device: torch.device, fill_ahead: bool = True):
+    def __init__(self, device: torch.device, fill_ahead: bool = False):
         self.device = torch.device(device)
         self.fill_ahead = fill_ahead        # a layer that does not stream starts the copy two
         # streamed layers ahead too (module docstring)

@@ -61,7 +61,7 @@ class EngineSettings:
     gemm_residual: bool = False
     stream_weights: bool = False
     stream_max_layers: int = 0
-    stream_fill_ahead: bool = True
+    stream_fill_ahead: bool = False
     prefetch_depth: int = 0
 
     def build(self) -> EngineOptions:

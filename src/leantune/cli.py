@@ -195,7 +195,7 @@ def _train_parser(sub) -> None:
                                       "ahead; experimental, not yet timed on a GPU)")
     e.add_argument("--stream-max-layers", type=int,
                    help="with --stream-weights, the most layers whose weights stream (default 0: "
-                        "the planner's choice)")
+                        "the planner's choice; it streams even counts)")
     a("--log-every", type=int, help="log every N steps (default 1)")
     a("--report-to", help="also send metrics to tensorboard (OUTPUT/tensorboard), wandb, or both "
                           "(comma list); default none")

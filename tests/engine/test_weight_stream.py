@@ -362,3 +362,70 @@ def test_a_layer_that_does_not_stream_starts_the_copy_two_ahead(ahead):
         assert torch.equal(l1, l2) and all(torch.equal(a, b) for a, b in zip(g1, g2))
     first = next(where for where, filled in fills if filled == 4)
     assert first == ((1, 1) if ahead else (2, 1))
+
+
+def test_streamed_plans_are_made_with_their_prefetch_depth(monkeypatch):
+    """plan_streaming plans each k > 0 as streamed (Workload.streaming: the prefetch depth the
+    executor then uses, 2 by default) and k = 0 as not."""
+    import leantune.engine.planner as planner
+
+    seen = []
+    real = planner.plan_memory
+
+    def spy(w, budget, fixed, host=None):
+        seen.append((w.streaming, round((FIXED - fixed) / LAYER)))
+        return real(w, budget, fixed, host)
+
+    monkeypatch.setattr(planner, "plan_memory", spy)
+    _, streamed = plan_streaming(_work(), 17 * 2**30, FIXED, LAYER, list(range(32)), HOST)
+    assert streamed and seen[0] == (False, 0)
+    assert all(s for s, k in seen[1:]) and len(seen) > 2  # (k layers less, two slots more)
+
+
+def test_prefetch_depth_in_the_executor(monkeypatch):
+    """The executor prefetches the two offloaded layers below with prefetch_depth 2, and by
+    default where weights stream; one below otherwise."""
+    from leantune.engine.activation_store import ActivationStore
+
+    calls = []
+    real = ActivationStore.prefetch
+
+    def spy(self, h):
+        calls.append(h)
+        return real(self, h)
+
+    monkeypatch.setattr(ActivationStore, "prefetch", spy)
+    counts = {}
+    for name, streamed, opts in (("one", [], {}), ("two", [], {"prefetch_depth": 2}),
+                                 ("auto-streamed", [1, 3], {})):
+        calls.clear()
+        model = model_for(CFG)
+        _engine(model, streamed, **opts)
+        loss_and_grads(model, packed_batch())
+        counts[name] = len(calls)
+    assert counts["two"] > counts["one"] and counts["auto-streamed"] == counts["two"]
+
+
+def test_fill_ahead_copies_the_same_and_never_into_a_slot_in_use():
+    """With stream_fill_ahead, across a no-grad pass then training passes, a copy never lands in
+    the slot whose weights the modules read now (stream.current's); and it makes as many copies
+    as without."""
+    copies = {}
+    for ahead in (False, True):
+        model = model_for(CFG)
+        engine = _engine(model, [0, 2, 4], stream_fill_ahead=ahead)
+        stream = engine.stream
+        real_fill = stream._fill
+
+        def fill(layer, stream=stream, real_fill=real_fill):
+            slot = stream.order[id(layer)] % 2
+            held = stream.holder[slot]
+            assert held is layer or held is None or held is not stream.current
+            return real_fill(layer)
+
+        stream._fill = fill
+        with torch.no_grad():
+            model(batch=packed_batch(), loss_only=True)
+        _steps(model, n=2)
+        copies[ahead] = stream.copies
+    assert copies[True] == copies[False]

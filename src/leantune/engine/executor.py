@@ -562,7 +562,9 @@ class _LayerRun:
         store.prefetch(self.handle.prev)  # load the layer below while this one runs
         if (self.ex.options.prefetch_layers(self.ex.stream is not None) > 1
                 and self.handle.prev is not None):
-            store.prefetch(self.handle.prev.prev)  # and the one below it
+            # and the one below it (the order states were put: layer order, every layer being
+            # fused in a planned run, as the planner counts it)
+            store.prefetch(self.handle.prev.prev)
         grads: dict = {}
         dout = dout.reshape(N, H)
         x2 = kept.x

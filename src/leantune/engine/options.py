@@ -84,7 +84,8 @@ class EngineOptions:
         not yet timed on a GPU (its copies queue behind the earlier ones on their own stream, but
         they take link time from the activations' copies sooner).
     stream_max_layers: with stream_weights, the most layers whose weights may stream (0: the
-        planner's choice, up to half the layers). The planner's link model is per step, not per
+        planner's choice, up to half the layers; the planner streams even counts, so an odd cap
+        rounds down and 1 streams none). The planner's link model is per step, not per
         layer, so where a measured plan waits on the link a cap can beat its choice."""
 
     kernels: str = "auto"

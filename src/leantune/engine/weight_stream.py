@@ -23,7 +23,8 @@ slots 0, 1, 0, 1, ... While layer s_j runs, s_{j+1}'s weights (s_{j-1} going bac
 into the other slot on a side stream, after the compute stream's work queued so far (the slot's
 last user). With `fill_ahead` (EngineOptions.stream_fill_ahead), a layer that does not stream,
 between s_{j-1} and s_j, already starts s_{j+1}'s copy into s_{j-1}'s slot (free: no slot is in
-use while such a layer runs), so that copy overlaps the layers from s_{j-1} on, not only those
+use while such a layer runs; the copy is ordered after s_{j-1}'s queued work, and behind s_j's
+copy on the one side stream), so it overlaps from the first layer after s_{j-1} on, not only
 from s_j. `using(layer, direction)` makes the layer's weights resident (waiting for its copy
 only), points its modules' weights at the slot for the duration, starts the next copy, and on
 exit points them back at the host buffers, so no module is ever left reading a slot another

@@ -203,6 +203,9 @@ class Trainer(StepRunner):
             self.log(f"engine options from the environment: "
                      f"{', '.join(f'{k}={getattr(options, k)}' for k in overridden)}")
         self.engine_options = options
+        if not options.stream_weights and (options.stream_max_layers or options.stream_fill_ahead):
+            self.log("note: --stream-max-layers and --stream-fill-ahead apply with "
+                     "--stream-weights only; ignored here")
         kernels.set_backend(options.kernels)
         self.engine = Engine(options)
         cuda = self.device.type == "cuda"

@@ -85,8 +85,9 @@ class EngineOptions:
         they take link time from the activations' copies sooner).
     stream_max_layers: with stream_weights, the most layers whose weights may stream (0: the
         planner's choice, up to half the layers; the planner streams even counts, so an odd cap
-        rounds down and 1 streams none). The planner's link model is per step, not per
-        layer, so where a measured plan waits on the link a cap can beat its choice."""
+        rounds down and 1 streams none). A knob for measuring: Phi-4 at 31 GiB on an H100 ran
+        as fast capped at 12 as with the planner's 18, and slower at 8 (BENCHMARKS.md
+        2026-12-07, seventeenth session)."""
 
     kernels: str = "auto"
     fused_layers: bool = True

@@ -15,8 +15,8 @@ offloaded layers' copies in flight and a layer's working set; the loss holds eve
 plus the fused cross-entropy's logits chunk; the backward of layer i holds what the layers below
 keep, its own state (reloaded, if offloaded; rebuilt up to ATTENTION, if it kept only its
 input), the next layer's state being prefetched (the next two where
-EngineOptions.prefetch_layers says so: with streamed weights by default), and the working set, less the gate/up it kept
-(it back-propagates through them instead of recomputing them). Where the budget forces more
+EngineOptions.prefetch_layers says so: with streamed weights, by default), and the working set,
+less the gate/up it kept (it back-propagates through them instead of recomputing them). Where the budget forces more
 layers' state off the GPU than the host link carries during a forward (an FP8 forward runs
 faster: FP8_FWD_FLOPS_PER_S), the fewest needed offload it without q/k/v (trim_for_link:
 LayerPlan.keep_qkv=False, a third fewer bytes for one q/k/v GEMM again in backward), lowest

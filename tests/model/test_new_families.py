@@ -5,12 +5,15 @@ roles each family's layers are built from."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from helpers import max_abs, one_torch_thread, randomize_, save_random_adapter  # noqa: F401
 
 import leantune
 from leantune.engine.executor import fused_unsupported, structure_unsupported
+from leantune.errors import LeantuneError
 from leantune.model.families import FAMILIES, GEMMA_NORMS, LLAMA_NORMS
 
 TOL = 1e-4
@@ -124,6 +127,32 @@ def test_features_are_read(checkpoints):
     mm = checkpoints["gemma3_mm"][2].config
     assert mm.model_type == "gemma3" and mm.num_hidden_layers == 4
     assert "vision_config" in mm.raw
+
+
+def test_longrope_in_the_hub_v4_layout(checkpoints, tmp_path):
+    """Phi-3 128k / Phi-3.5-mini / Phi-4-mini on the hub: `rope_scaling` holds only the type
+    and factors, original_max_position_embeddings sits at the top level. The same weights give
+    the same logits as the transformers 5 layout, past the original context too."""
+    import shutil
+
+    folder, hf, _ = checkpoints["phi3_longrope"]
+    v4 = tmp_path / "v4"
+    shutil.copytree(folder, v4)
+    d = json.loads((v4 / "config.json").read_text())
+    params = d.pop("rope_parameters")
+    d.pop("original_max_position_embeddings", None)
+    d.update(rope_theta=params["rope_theta"], original_max_position_embeddings=8,
+             rope_scaling={"type": "longrope", "short_factor": params["short_factor"],
+                           "long_factor": params["long_factor"]})
+    (v4 / "config.json").write_text(json.dumps(d))
+    model = leantune.load_model(v4, device="cpu").eval()
+    assert model.config.rope_scaling["original_max_position_embeddings"] == 8
+    ids = torch.randint(0, 98, (2, 13), generator=torch.Generator().manual_seed(3))
+    assert max_abs(_logits(model, ids), _logits(hf, ids)) < TOL
+    del d["original_max_position_embeddings"], d["max_position_embeddings"]
+    (v4 / "config.json").write_text(json.dumps(d))
+    with pytest.raises(LeantuneError, match="original_max_position_embeddings"):
+        leantune.load_model(v4, device="cpu")
 
 
 def test_roles_change_the_output(checkpoints):

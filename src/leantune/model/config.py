@@ -299,7 +299,11 @@ def _local_rope(d: dict, default_theta: float) -> tuple[float, dict | None]:
 
 
 def _rope_from_config(d: dict, default_theta: float = 10000.0) -> tuple[float, dict | None]:
-    """(rope_theta, scaling) from either transformers 5 `rope_parameters` or v4 fields."""
+    """(rope_theta, scaling) from either transformers 5 `rope_parameters` or v4 fields.
+    LongRoPE's original context sits at the config's top level in the hub's v4 layout (Phi-3
+    128k, Phi-3.5-mini, Phi-4-mini: `rope_scaling` holds only the factors); it is copied into
+    the scaling; where it is nowhere, max_position_embeddings stands in (as in transformers),
+    and without either, a one-line error."""
     params = d.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params:  # per-layer-type params
         params = params["full_attention"]
@@ -307,10 +311,18 @@ def _rope_from_config(d: dict, default_theta: float = 10000.0) -> tuple[float, d
         theta = float(params.get("rope_theta", d.get("rope_theta", default_theta)))
         rtype = params.get("rope_type", params.get("type", "default"))
         scaling = None if rtype == "default" else dict(params, rope_type=rtype)
-        return theta, scaling
-    theta = float(d.get("rope_theta", default_theta))
-    scaling = d.get("rope_scaling")
-    if scaling:
-        rtype = scaling.get("rope_type", scaling.get("type", "default"))
-        scaling = None if rtype == "default" else dict(scaling, rope_type=rtype)
+    else:
+        theta = float(d.get("rope_theta", default_theta))
+        scaling = d.get("rope_scaling")
+        if scaling:
+            rtype = scaling.get("rope_type", scaling.get("type", "default"))
+            scaling = None if rtype == "default" else dict(scaling, rope_type=rtype)
+    if scaling and scaling["rope_type"] == "longrope" \
+            and not scaling.get("original_max_position_embeddings"):
+        original = d.get("original_max_position_embeddings") or d.get("max_position_embeddings")
+        if not original:
+            raise LeantuneError("config.json: LongRoPE needs original_max_position_embeddings "
+                                "(in rope_scaling or at the top level); add the checkpoint's "
+                                "value")
+        scaling["original_max_position_embeddings"] = int(original)
     return theta, scaling or None

@@ -493,3 +493,41 @@ def test_yaml_key_renamed(tmp_path, capsys):
 
     with pytest.raises(LeantuneError, match="option 'checkpointing' is now 'activations'"):
         load_yaml_config(str(cfg))
+
+
+def test_kernels_triton_off_cuda_is_one_line(tiny_ckpt, alpaca_file, tmp_path, capsys,  # noqa: F811
+                                             monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # (the tests' interpreter is allowed)
+    line = one_line_error(capsys, "--model", tiny_ckpt, "--data", alpaca_file, "--output",
+                          tmp_path / "out", *FAST, "--max-steps", 1, "--kernels", "triton")
+    assert "--kernels triton needs a CUDA GPU" in line and "--kernels auto" in line
+    assert not (tmp_path / "out").exists()  # refused before the output is touched
+
+
+def test_router_aux_loss_on_a_dense_model_is_refused_before_loading(tiny_ckpt, alpaca_file,  # noqa: F811
+                                                                    tmp_path, capsys):
+    rc, out, err = train(capsys, "--model", tiny_ckpt, "--data", alpaca_file, "--output",
+                         tmp_path / "out", *FAST, "--max-steps", 1,
+                         "--router-aux-loss-coef", "0.01")
+    assert rc == 2 and "not a mixture-of-experts model" in err
+    assert "model: loading" not in out and not (tmp_path / "out").exists()
+
+
+def test_attention_flash_on_the_cpu_is_noted(tiny_ckpt, alpaca_file, tmp_path, capsys):  # noqa: F811
+    out = run_ok(capsys, tiny_ckpt, alpaca_file, tmp_path / "run", "--attention", "flash")
+    assert "note: --attention flash is for CUDA" in out
+
+
+def test_a_relative_model_path_is_recorded_absolute(tiny_ckpt, alpaca_file, tmp_path, capsys,  # noqa: F811
+                                                    monkeypatch):
+    """The adapter finds its base from any working directory: a local --model given relative
+    is recorded (adapter_config.json, the vLLM line) as its absolute path."""
+    monkeypatch.chdir(tiny_ckpt.parent)
+    out = run_ok(capsys, tiny_ckpt.name, alpaca_file, tmp_path / "run")
+    recorded = json.loads((tmp_path / "run" / "adapter_config.json").read_text())
+    assert recorded["base_model_name_or_path"] == str(tiny_ckpt.resolve())
+    assert f"vllm serve {tiny_ckpt.resolve()} " in out
+    monkeypatch.chdir(tmp_path)
+    rc = main(["generate", "--adapter", str(tmp_path / "run"), "--prompt", "hi",
+               "--max-new-tokens", "2", "--device", "cpu"])
+    assert rc == 0, capsys.readouterr().err

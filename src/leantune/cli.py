@@ -269,7 +269,9 @@ def cmd_train(args) -> int:
             import json
 
             rank = json.loads((out / "adapter_config.json").read_text())["r"]
-        for line in vllm_lora_lines(cfg.model, out, rank):
+        from .lora.base_check import base_name_to_record
+
+        for line in vllm_lora_lines(base_name_to_record(cfg.model), out, rank):
             print(line)
     if demo:
         print(answer)

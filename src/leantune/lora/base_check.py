@@ -135,6 +135,18 @@ def recorded_base(weights: Path) -> tuple[str | None, str | None]:
     return (str(name) if name else None), (str(fp) if fp else None)
 
 
+def base_name_to_record(model: str) -> str:
+    """The base name an adapter records (PEFT's base_model_name_or_path): a local folder as its
+    absolute path, so the adapter finds its base from any working directory; a hub id as given."""
+    p = Path(model).expanduser()
+    try:
+        if p.is_dir():
+            return str(p.resolve())
+    except OSError:
+        pass
+    return model
+
+
 def _same_name(recorded: str, given: str, folder: Path) -> bool:
     """Whether base name `recorded` (a path or hub id) names `folder` (given as `given`)."""
     if recorded == given:

@@ -57,7 +57,20 @@ def check_settings(cfg, model_config: ModelConfig, device: torch.device) -> None
     - --lora-targets experts on a dense model (no mixture-of-experts layers);
     - --lora-r above the width of a targeted projection (min of its inputs and outputs): the
       update B @ A of an [out, in] weight has rank at most that width, so the extra rank is
-      only memory and time."""
+      only memory and time;
+    - --kernels triton off CUDA (Triton compiles for a GPU; TRITON_INTERPRET=1, the tests'
+      interpreter, excepted);
+    - --router-aux-loss-coef on a dense model."""
+    import os
+
+    if (cfg.engine.kernels == "triton" and device.type != "cuda"
+            and not os.environ.get("TRITON_INTERPRET")):
+        raise LeantuneError(f"--kernels triton needs a CUDA GPU (this run is on the "
+                            f"{device.type.upper()}); use --kernels auto or reference")
+    if cfg.router_aux_loss_coef > 0 and model_config.moe is None:
+        raise LeantuneError(f"--router-aux-loss-coef: {cfg.model or 'the model'} is not a "
+                            f"mixture-of-experts model ({model_config.model_type}); leave the "
+                            "flag out")
     if cfg.max_memory_gib is not None:
         if device.type != "cuda":
             raise LeantuneError(f"--max-memory-gib {cfg.max_memory_gib:g} budgets GPU memory, "

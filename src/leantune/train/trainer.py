@@ -25,7 +25,7 @@ from ..dist.data import RankLoader
 from ..dist.parallel import Parallel
 from ..errors import LeantuneError
 from ..lora import apply_lora, save_adapter
-from ..lora.base_check import model_fingerprint
+from ..lora.base_check import base_name_to_record, model_fingerprint
 from ..lora.params import count_parameters
 from ..utils.words import count
 from ..model.config import ModelConfig
@@ -206,9 +206,12 @@ class Trainer(StepRunner):
         if not options.stream_weights and (options.stream_max_layers or options.stream_fill_ahead):
             self.log("note: --stream-max-layers and --stream-fill-ahead apply with "
                      "--stream-weights only; ignored here")
+        cuda = self.device.type == "cuda"
+        if options.attention == "flash" and not cuda:
+            self.log("note: --attention flash is for CUDA; on the CPU the layers' attention "
+                     "runs through PyTorch ops")
         kernels.set_backend(options.kernels)
         self.engine = Engine(options)
-        cuda = self.device.type == "cuda"
         if (cfg.offload_embedding and cuda and not self.parallel.sharded  # (FSDP2 shards it)
                 and m.offload_embedding()):
             torch.cuda.empty_cache()
@@ -436,10 +439,11 @@ class Trainer(StepRunner):
                 from ..lora.fold import save_stacked_adapter
 
                 save_stacked_adapter(self.model, self.folded, self.output,
-                                     base_model_name=self.cfg.model, write=write)
+                                     base_model_name=base_name_to_record(self.cfg.model),
+                                     write=write)
             else:
-                save_adapter(self.model, self.output, base_model_name=self.cfg.model,
-                             write=write)
+                save_adapter(self.model, self.output,
+                             base_model_name=base_name_to_record(self.cfg.model), write=write)
             if write and self.tokenizer is not None and hasattr(self.tokenizer,
                                                                 "save_pretrained"):
                 save_pretrained_safely(self.tokenizer, self.output)  # (renamed in: no link)

@@ -172,3 +172,31 @@ def test_the_gemma_modelfile_and_stop_tokens(root, tmp_path):
 
     tok = AutoTokenizer.from_pretrained(base)
     assert tok.convert_tokens_to_ids("<end_of_turn>") in gen["eos_token_id"]
+
+
+def test_window_warning_follows_llama_cpp_patterns():
+    """llama.cpp slides the window on gemma2's even layers and on five of every six gemma3
+    layers, and on no phi3 / llama layer: the export warns only where that differs."""
+    from types import SimpleNamespace
+
+    from leantune.export.gguf.writer import window_warning
+
+    def cfg(pattern, window=8, ctx=128):
+        return SimpleNamespace(sliding_window=window, max_position_embeddings=ctx,
+                               num_hidden_layers=len(pattern),
+                               window_for_layer=lambda i: window if pattern[i] else None)
+
+    assert window_warning(cfg([1, 0, 1, 0]), "gemma2") is None
+    assert window_warning(cfg([1, 1, 1, 1, 1, 0, 1]), "gemma3") is None
+    assert "i % 6 < 5" in window_warning(cfg([1, 0, 1, 1]), "gemma3")
+    assert "i % 2 < 1" in window_warning(cfg([0, 1]), "gemma2")
+    assert "whole context" in window_warning(cfg([1, 1]), "phi3")
+    assert "whole context" in window_warning(cfg([1, 1]), "llama")
+    assert window_warning(cfg([1, 1], window=128), "llama") is None  # the window spans it all
+    assert window_warning(cfg([1, 1], window=None), "phi3") is None
+
+
+def test_gemma2_export_does_not_warn_about_its_window(root):
+    base = _checkpoint("gemma2", root / "g2w" / "base")
+    out = export_gguf(base, None, root / "g2w" / "gguf", quant="f32")
+    assert not any("window" in w for w in out.warnings), out.warnings

@@ -201,6 +201,31 @@ def _plan_model(weights: MergedWeights, quant: str) -> list[_Planned]:
     return sorted(planned, key=lambda p: _order(p.name))
 
 
+# llama.cpp slides the window on layer il where il % n < n - 1 for these architectures (its
+# interleaved-window builds); every other architecture, phi3 included (its window is switched
+# off there), attends over the whole context.
+LLAMA_CPP_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6}
+
+
+def window_warning(cfg, arch: str) -> str | None:
+    """A warning where llama.cpp would attend differently from the model: a sliding window on
+    an architecture whose llama.cpp build ignores it, or a pattern of windowed layers other than
+    the one llama.cpp assumes for the architecture; None where they agree."""
+    if not cfg.sliding_window or cfg.sliding_window >= cfg.max_position_embeddings:
+        return None
+    n = LLAMA_CPP_WINDOW_PATTERN.get(arch)
+    if n is None:
+        return (f"the model attends within a sliding window of {cfg.sliding_window} tokens; "
+                f"llama.cpp's {arch} architecture attends over the whole context, so outputs "
+                "differ past the window")
+    ours = [cfg.window_for_layer(i) is not None for i in range(cfg.num_hidden_layers)]
+    if ours == [i % n < n - 1 for i in range(cfg.num_hidden_layers)]:
+        return None
+    return (f"the model's sliding-window layers differ from llama.cpp's {arch} pattern (layer i "
+            f"windowed where i % {n} < {n - 1}), so outputs differ past the window "
+            f"({cfg.sliding_window} tokens)")
+
+
 def export_gguf(model: str | os.PathLike, adapter_dir: str | os.PathLike | None,
                 out_dir: str | os.PathLike, quant: str = "f16", overwrite: bool = False,
                 progress: bool = False,
@@ -224,10 +249,9 @@ def export_gguf(model: str | os.PathLike, adapter_dir: str | os.PathLike | None,
     arch = architecture(cfg, str(weights.src / "config.json"))
     vocab = read_vocab(weights.src, cfg.vocab_size)
     warnings = list(vocab.warnings)
-    if cfg.sliding_window and cfg.sliding_window < cfg.max_position_embeddings:
-        warnings.append(f"the model attends within a sliding window of {cfg.sliding_window} "
-                        f"tokens; llama.cpp's {arch} architecture attends over the whole "
-                        "context, so outputs differ past the window")
+    window = window_warning(cfg, arch)
+    if window:
+        warnings.append(window)
     if cfg.attn_scale and abs(cfg.attn_scale * cfg.head_dim ** 0.5 - 1) > 1e-6:
         warnings.append(f"query_pre_attn_scalar {cfg.attn_scale ** -2:g} differs from head_dim "
                         f"{cfg.head_dim}; llama.cpp's {arch} derives the attention scale from "

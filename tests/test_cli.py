@@ -363,8 +363,8 @@ def test_dropped_rows_are_reported_with_the_reason(tiny_ckpt, tmp_path, capsys):
     rows = alpaca_rows(20) + [{"instruction": "Paris " * 300, "output": "x"}]
     data = write_jsonl(tmp_path / "data.jsonl", rows)
     out = run_ok(capsys, tiny_ckpt, data, tmp_path / "run", "--max-seq-len", 64)
-    assert ("note: training data: 1 of 21 rows dropped: 1 whose prompt fills --max-seq-len 64, "
-            "leaving no response token (raise --max-seq-len)") in out
+    assert ("note: training data: 1 of 21 rows dropped: 1 whose prompt fills --max-seq-len 64 "
+            f"[{data}:21], leaving no response token (raise --max-seq-len)") in out
 
 
 def test_ctrl_c_during_start_up_is_one_line(tiny_ckpt, alpaca_file, tmp_path, capsys,  # noqa: F811

@@ -50,16 +50,16 @@ def test_truncation_and_dropping(tokenizer):
     ds = SFTDataset([rows[1], ok], tokenizer, max_seq_len=16)
     assert ds.num_dropped == 1 and ds.num_docs == 1
     assert ds.dropped == {"empty": 0, "truncated": 1}
-    assert ("1 of 2 rows dropped: 1 whose prompt fills --max-seq-len 16, leaving no response "
-            "token (raise --max-seq-len)") in ds.summary()
+    assert ("1 of 2 rows dropped: 1 whose prompt fills --max-seq-len 16 [<rows> (row 1)], "
+            "leaving no response token (raise --max-seq-len)") in ds.summary()
     user_only = {"messages": [{"role": "user", "content": "hello"}]}  # nothing to learn
     answered = {"messages": [{"role": "user", "content": "hello"},
                              {"role": "assistant", "content": "world"}]}
     ds = SFTDataset([user_only, answered], tokenizer, max_seq_len=64)
     assert ds.dropped == {"empty": 1, "truncated": 0}
-    assert ds.dropped_summary() == ("1 of 2 rows dropped: 1 with no target tokens (e.g. a "
-                                    "conversation without an assistant turn, or an empty text: "
-                                    "fix or remove them)")
+    assert ds.dropped_summary() == ("1 of 2 rows dropped: 1 with no target tokens "
+                                    "[<rows> (row 1)] (e.g. a conversation without an "
+                                    "assistant turn, or an empty text: fix or remove them)")
     with pytest.raises(LeantuneError, match="no trainable examples.*--max-seq-len 16"):
         SFTDataset([rows[1]], tokenizer, max_seq_len=16)
 

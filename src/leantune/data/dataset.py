@@ -17,7 +17,7 @@ import random
 from collections.abc import Iterator, Sequence
 
 from leantune.batch import IGNORE_INDEX, PackedBatch, shift_labels
-from leantune.data.files import Location
+from leantune.data.files import Location, format_location
 from leantune.data.formats import detect_format, encode_example, validate_format
 from leantune.data.packing import pack_first_fit_decreasing
 from leantune.data.sources import load_rows
@@ -92,6 +92,7 @@ class SFTDataset:
         self._truncated: list[bool] = []
         self.num_rows = len(rows)
         self.dropped = {"empty": 0, "truncated": 0}
+        self.dropped_at: dict[str, list[Location]] = {"empty": [], "truncated": []}  # first 3
         for loc, row in located:
             ids, mask = encode_example(row, self.format, tokenizer,
                                        train_on_inputs=self.train_on_inputs,
@@ -103,7 +104,10 @@ class SFTDataset:
                 ids, mask = ids[:self.max_seq_len], mask[:self.max_seq_len]
             labels = shift_labels(ids, mask)
             if all(x == IGNORE_INDEX for x in labels):
-                self.dropped["truncated" if has_target else "empty"] += 1
+                reason = "truncated" if has_target else "empty"
+                self.dropped[reason] += 1
+                if len(self.dropped_at[reason]) < 3:
+                    self.dropped_at[reason].append(loc)
                 continue
             self.docs.append((ids, labels))
             self.locations.append(loc)
@@ -125,6 +129,7 @@ class SFTDataset:
         obj._truncated = [parent._truncated[i] for i in indices]
         obj.num_rows = len(indices)
         obj.dropped = {"empty": 0, "truncated": 0}
+        obj.dropped_at = {"empty": [], "truncated": []}
         return obj
 
     def split_eval(self, fraction: float, seed: int = 0) -> tuple["SFTDataset", "SFTDataset"]:
@@ -164,14 +169,22 @@ class SFTDataset:
         return sum(self.dropped.values())
 
     def dropped_summary(self) -> str:
-        """The dropped rows, counted by reason, with what to do about them."""
+        """The dropped rows, counted by reason, with what to do about them and where the first
+        ones are (file:line)."""
+        def where(reason):
+            at = [format_location(self.source, loc) for loc in self.dropped_at[reason]]
+            more = ", ..." if self.dropped[reason] > len(at) else ""
+            return f" [{', '.join(at)}{more}]" if at else ""
+
         why = []
         if self.dropped["empty"]:
-            why.append(f"{self.dropped['empty']} with no target tokens (e.g. a conversation "
-                       "without an assistant turn, or an empty text: fix or remove them)")
+            why.append(f"{self.dropped['empty']} with no target tokens{where('empty')} (e.g. a "
+                       "conversation without an assistant turn, or an empty text: fix or remove "
+                       "them)")
         if self.dropped["truncated"]:
             why.append(f"{self.dropped['truncated']} whose prompt fills --max-seq-len "
-                       f"{self.max_seq_len}, leaving no response token (raise --max-seq-len)")
+                       f"{self.max_seq_len}{where('truncated')}, leaving no response token "
+                       "(raise --max-seq-len)")
         return f"{self.num_dropped} of {self.num_rows} rows dropped: " + ", ".join(why)
 
     @property

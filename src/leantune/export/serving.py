@@ -31,11 +31,14 @@ def load_tokenizer(folder: str | os.PathLike):
     checkpoint's runs (trust_remote_code=False)."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    from ..utils.quiet import transformers_quiet
+
     cls = PreTrainedTokenizerFast if (Path(folder) / "tokenizer.json").exists() else AutoTokenizer
     try:
         # never the checkpoint's own code (an auto_map in tokenizer_config.json): without
         # trust_remote_code=False AutoTokenizer would even ask whether to run it
-        return cls.from_pretrained(str(folder), trust_remote_code=False)
+        with transformers_quiet():  # (its notes on config.json: leantune reads that itself)
+            return cls.from_pretrained(str(folder), trust_remote_code=False)
     except Exception:  # no tokenizer files, ones transformers cannot read, or needing code
         return None
 

@@ -82,6 +82,8 @@ def chat(model, tokenizer, *, system: str | None = None, read=None, out=None,
         if not command:
             continue
         if command == "/exit":
+            if not sys.stdin.isatty():  # piped input: the typed newline was not echoed
+                out.write("\n")
             return
         if command == "/reset":
             messages = list(start)

@@ -493,11 +493,13 @@ def load_tokenizer(model: str | None):
     from transformers import AutoTokenizer
 
     from ..model.loader import resolve_checkpoint
+    from ..utils.quiet import transformers_quiet
 
     folder = resolve_checkpoint(model)
     try:
         # never the checkpoint's own Python code (auto_map): a downloaded folder runs nothing
-        tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
+        with transformers_quiet():  # (its notes on config.json: leantune reads that itself)
+            tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
     except Exception as e:
         from ..model.loader import custom_code_error
 

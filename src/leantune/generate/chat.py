@@ -55,6 +55,8 @@ def chat(model, tokenizer, *, system: str | None = None, read=None, out=None,
     user's next line, raising EOFError at the end; `prompt_format`: "chat" (the chat template,
     multi-turn), "alpaca" or "text" (each line on its own); `generate_kw` goes to `generate`
     (max_new_tokens, sampling)."""
+    # input() echoes "> " but, reading a pipe, not the typed newline
+    piped = read is None and not sys.stdin.isatty()
     read, out = read or input, out or sys.stdout
     turns = prompt_format == "chat"
     if turns and not getattr(tokenizer, "chat_template", None):
@@ -82,7 +84,7 @@ def chat(model, tokenizer, *, system: str | None = None, read=None, out=None,
         if not command:
             continue
         if command == "/exit":
-            if not sys.stdin.isatty():  # piped input: the typed newline was not echoed
+            if piped:
                 out.write("\n")
             return
         if command == "/reset":

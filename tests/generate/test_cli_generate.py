@@ -4,6 +4,7 @@ checkpoint: what they print and write, and their one-line errors."""
 from __future__ import annotations
 
 import builtins
+import io
 import json
 import re
 
@@ -221,8 +222,9 @@ def test_chat_is_multi_turn_and_resets(capsys, monkeypatch, tiny_ckpt, adapter, 
 
 def test_chat_exit_and_ctrl_c(capsys, monkeypatch, tiny_ckpt):  # noqa: F811
     _script(monkeypatch, ["/exit", "never read"])
+    monkeypatch.setattr("sys.stdin", io.StringIO())  # a pipe: input() echoed no newline
     rc, out, _ = run_cli(capsys, "chat", "--model", tiny_ckpt, *GEN)
-    assert rc == 0 and out == "chat: /reset starts over, /exit (or Ctrl-D) ends\n"
+    assert rc == 0 and out == "chat: /reset starts over, /exit (or Ctrl-D) ends\n\n"
 
     def interrupt(prompt=""):
         raise KeyboardInterrupt

@@ -138,13 +138,15 @@ def recorded_base(weights: Path) -> tuple[str | None, str | None]:
 def base_name_to_record(model: str) -> str:
     """The base name an adapter records (PEFT's base_model_name_or_path): a local folder as its
     absolute path, so the adapter finds its base from any working directory; a hub id as given."""
+    if not isinstance(model, (str, os.PathLike)):  # (None: a model passed in as an object)
+        return model
     p = Path(model).expanduser()
     try:
         if p.is_dir():
             return str(p.resolve())
     except OSError:
         pass
-    return model
+    return str(model)
 
 
 def _same_name(recorded: str, given: str, folder: Path) -> bool:

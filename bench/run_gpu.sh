@@ -36,7 +36,8 @@
 #          not, against transformers + PEFT where the card is an H200; the DPO step)
 #          phi4 (issue 22: Phi-4 at 31 GiB with --stream-weights and without, the defaults,
 #          against transformers + PEFT where the card is an H200)
-#          phi4-fill (phi4 and fill-ahead together, one process)
+#          phi4-fill (Phi-4 streamed with fill-ahead on and off, and transformers + PEFT, in one
+#          process)
 #          fill-ahead (Phi-4 at 31 GiB streamed with EngineOptions.stream_fill_ahead on and off)
 #          phi4-prof (issue 22: the Phi-4 step profiled, streamed, at 31 GiB)
 #          micro (GEMM variants; the DPO and 8B SFT steps with EngineOptions.gemm_residual and

@@ -527,7 +527,11 @@ def test_a_relative_model_path_is_recorded_absolute(tiny_ckpt, alpaca_file, tmp_
     recorded = json.loads((tmp_path / "run" / "adapter_config.json").read_text())
     assert recorded["base_model_name_or_path"] == str(tiny_ckpt.resolve())
     assert f"vllm serve {tiny_ckpt.resolve()} " in out
+    settings = json.loads((tmp_path / "run" / "run_config.json").read_text())
+    assert settings["config"]["model"] == str(tiny_ckpt.resolve())
     monkeypatch.chdir(tmp_path)
-    rc = main(["generate", "--adapter", str(tmp_path / "run"), "--prompt", "hi",
-               "--max-new-tokens", "2", "--device", "cpu"])
-    assert rc == 0, capsys.readouterr().err
+    step = next((tmp_path / "run" / "checkpoints").iterdir())  # (its state.json names the base)
+    for adapter in (tmp_path / "run", step):
+        rc = main(["generate", "--adapter", str(adapter), "--prompt", "hi",
+                   "--max-new-tokens", "2", "--device", "cpu"])
+        assert rc == 0, capsys.readouterr().err

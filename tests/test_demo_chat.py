@@ -62,7 +62,8 @@ def _chat_replies(capsys, monkeypatch, adapter, questions, *extra) -> tuple[list
     rc, out, err = run_cli(capsys, "chat", "--adapter", adapter, "--device", "cpu",
                            "--max-new-tokens", "24", *extra)
     assert rc == 0, err
-    replies = [part.split("\n")[0] for part in out.split("> ")[1:]]
+    # (stdin is no terminal here: chat ends each "> " line itself, as for a pipe)
+    replies = [part.strip("\n").split("\n")[0] for part in out.split("> ")[1:]]
     return replies[:len(questions)], err
 
 

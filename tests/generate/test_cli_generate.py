@@ -169,9 +169,16 @@ def test_messages_need_a_chat_template(capsys, tmp_path, tiny_ckpt):  # noqa: F8
     assert rc == 0 and out.strip()  # a --prompt without a template: the text as it is
 
 
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
 def _script(monkeypatch, lines):
-    """builtins.input answers `lines`, then end of input; returns the prompts it was shown."""
+    """builtins.input answers `lines`, then end of input, as typed at a terminal (which echoes
+    the prompt and the typed newline: chat writes neither); returns the prompts it was shown."""
     shown, it = [], iter(lines)
+    monkeypatch.setattr("sys.stdin", _Terminal())
 
     def fake_input(prompt=""):
         shown.append(prompt)
@@ -222,9 +229,13 @@ def test_chat_is_multi_turn_and_resets(capsys, monkeypatch, tiny_ckpt, adapter, 
 
 def test_chat_exit_and_ctrl_c(capsys, monkeypatch, tiny_ckpt):  # noqa: F811
     _script(monkeypatch, ["/exit", "never read"])
-    monkeypatch.setattr("sys.stdin", io.StringIO())  # a pipe: input() echoed no newline
     rc, out, _ = run_cli(capsys, "chat", "--model", tiny_ckpt, *GEN)
-    assert rc == 0 and out == "chat: /reset starts over, /exit (or Ctrl-D) ends\n\n"
+    assert rc == 0 and out == "chat: /reset starts over, /exit (or Ctrl-D) ends\n"
+    _script(monkeypatch, ["/reset", "/exit"])
+    monkeypatch.setattr("sys.stdin", io.StringIO())  # a pipe: chat ends each "> " line itself
+    rc, out, _ = run_cli(capsys, "chat", "--model", tiny_ckpt, *GEN)
+    assert rc == 0 and out == ("chat: /reset starts over, /exit (or Ctrl-D) ends\n"
+                               "\n(a new conversation)\n\n")
 
     def interrupt(prompt=""):
         raise KeyboardInterrupt

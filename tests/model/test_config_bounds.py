@@ -122,5 +122,5 @@ def test_a_billion_sliding_layers_fail_fast(tmp_path):
              num_hidden_layers=10 ** 9)
     t = time.perf_counter()
     msg = _refusal(d, tmp_path)
-    assert time.perf_counter() - t < 1.0
+    assert time.perf_counter() - t < 3.0  # (the hang it guards against never ended)
     assert "'num_hidden_layers'" in msg and "1..1024" in msg

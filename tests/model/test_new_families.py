@@ -149,7 +149,11 @@ def test_longrope_in_the_hub_v4_layout(checkpoints, tmp_path):
     assert model.config.rope_scaling["original_max_position_embeddings"] == 8
     ids = torch.randint(0, 98, (2, 13), generator=torch.Generator().manual_seed(3))
     assert max_abs(_logits(model, ids), _logits(hf, ids)) < TOL
-    del d["original_max_position_embeddings"], d["max_position_embeddings"]
+    del d["original_max_position_embeddings"]  # nowhere: max_position_embeddings stands in
+    (v4 / "config.json").write_text(json.dumps(d))
+    scaling = leantune.load_model(v4, device="cpu").config.rope_scaling
+    assert scaling["original_max_position_embeddings"] == d["max_position_embeddings"]
+    del d["max_position_embeddings"]
     (v4 / "config.json").write_text(json.dumps(d))
     with pytest.raises(LeantuneError, match="original_max_position_embeddings"):
         leantune.load_model(v4, device="cpu")

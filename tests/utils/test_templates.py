@@ -115,7 +115,7 @@ def test_size_bombs_end_in_one_line(name):
 def test_endless_loops_stop_at_the_time_limit(body):
     msg, seconds = _error(LOOP + body + "{% endfor %}{% endfor %}", timeout_s=0.5)
     assert "took more than 0.5 s" in msg and "fix the chat template" in msg
-    assert 0.4 < seconds < 3
+    assert 0.4 < seconds < 6  # (headroom for a loaded CI machine running tests in parallel)
 
 
 def test_time_limit_holds_outside_the_main_thread():

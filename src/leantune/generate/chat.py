@@ -55,8 +55,8 @@ def chat(model, tokenizer, *, system: str | None = None, read=None, out=None,
     user's next line, raising EOFError at the end; `prompt_format`: "chat" (the chat template,
     multi-turn), "alpaca" or "text" (each line on its own); `generate_kw` goes to `generate`
     (max_new_tokens, sampling)."""
-    # input() echoes "> " but, reading a pipe, not the typed newline
-    piped = read is None and not sys.stdin.isatty()
+    # input() shows "> " but, reading a pipe, no typed newline: chat writes it
+    piped = read is None and not getattr(sys.stdin, "isatty", lambda: False)()
     read, out = read or input, out or sys.stdout
     turns = prompt_format == "chat"
     if turns and not getattr(tokenizer, "chat_template", None):
@@ -80,12 +80,12 @@ def chat(model, tokenizer, *, system: str | None = None, read=None, out=None,
         except KeyboardInterrupt:
             out.write("\n")
             raise
+        if piped:
+            out.write("\n")
         command = line.strip()
         if not command:
             continue
         if command == "/exit":
-            if piped:
-                out.write("\n")
             return
         if command == "/reset":
             messages = list(start)

@@ -135,7 +135,7 @@ def recorded_base(weights: Path) -> tuple[str | None, str | None]:
     return (str(name) if name else None), (str(fp) if fp else None)
 
 
-def base_name_to_record(model: str) -> str:
+def base_name_to_record(model: str | os.PathLike | None) -> str | None:
     """The base name an adapter records (PEFT's base_model_name_or_path): a local folder as its
     absolute path, so the adapter finds its base from any working directory; a hub id as given."""
     if not isinstance(model, (str, os.PathLike)):  # (None: a model passed in as an object)

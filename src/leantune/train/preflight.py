@@ -48,6 +48,13 @@ def locate_model(name: str) -> Path:
     return resolve_checkpoint(name)
 
 
+def triton_interpreted() -> bool:
+    """Whether Triton kernels run through its CPU interpreter (TRITON_INTERPRET=1, the tests)."""
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def check_settings(cfg, model_config: ModelConfig, device: torch.device) -> None:
     """Flags that make no sense for this model or device, refused in one line before any weight
     loads (from config.json alone: the model is built on the meta device, which allocates
@@ -61,10 +68,8 @@ def check_settings(cfg, model_config: ModelConfig, device: torch.device) -> None
     - --kernels triton off CUDA (Triton compiles for a GPU; TRITON_INTERPRET=1, the tests'
       interpreter, excepted);
     - --router-aux-loss-coef on a dense model."""
-    import os
-
     if (cfg.engine.kernels == "triton" and device.type != "cuda"
-            and not os.environ.get("TRITON_INTERPRET")):
+            and not triton_interpreted()):
         raise LeantuneError(f"--kernels triton needs a CUDA GPU (this run is on the "
                             f"{device.type.upper()}); use --kernels auto or reference")
     if cfg.router_aux_loss_coef > 0 and model_config.moe is None:

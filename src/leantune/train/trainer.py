@@ -41,7 +41,7 @@ from .health import NonFiniteWatch
 from .merge_at_end import check_merge_at_end
 from .objectives import objective_for
 from .output import RunFolder, final_save
-from .preflight import check_settings, check_weights, locate_model
+from .preflight import check_settings, check_weights, locate_model, triton_interpreted
 from .reporting import check_report_to
 from .runner import StepRunner, TrainResult, drop_metrics_after, peak_memory_gib  # noqa: F401
 from .samples import SampleWriter
@@ -207,9 +207,12 @@ class Trainer(StepRunner):
             self.log("note: --stream-max-layers and --stream-fill-ahead apply with "
                      "--stream-weights only; ignored here")
         cuda = self.device.type == "cuda"
+        if options.kernels == "triton" and not cuda and not triton_interpreted():
+            raise LeantuneError(f"kernels triton (LEANTUNE_KERNELS) needs a CUDA GPU (this run "
+                                f"is on the {self.device.type.upper()}); use auto or reference")
         if options.attention == "flash" and not cuda:
-            self.log("note: --attention flash is for CUDA; on the CPU the layers' attention "
-                     "runs through PyTorch ops")
+            self.log(f"note: --attention flash is for CUDA; on the {self.device.type.upper()} "
+                     "the layers' attention runs through PyTorch ops")
         kernels.set_backend(options.kernels)
         self.engine = Engine(options)
         if (cfg.offload_embedding and cuda and not self.parallel.sharded  # (FSDP2 shards it)
@@ -303,10 +306,7 @@ class Trainer(StepRunner):
         which train_step adds (as transformers does with output_router_logits)."""
         if self.cfg.router_aux_loss_coef <= 0:
             return
-        if self.model.config.moe is None:
-            raise LeantuneError(f"--router-aux-loss-coef: {self.cfg.model or 'the model'} is "
-                                f"not a mixture-of-experts model ({self.model.config.model_type})"
-                                "; leave the flag out")
+        # (a dense model was refused before loading: preflight.check_settings)
         self.model.router_aux_loss = True
 
     def _fixed_bytes(self) -> float:
@@ -401,7 +401,9 @@ class Trainer(StepRunner):
     def run_settings(self) -> dict:
         """The settings this run trains with: its config and the engine options in effect
         (written to run_config.json and into every checkpoint)."""
-        return {"config": asdict(self.cfg), "engine_options": self.engine_options.to_dict(),
+        config = asdict(self.cfg)  # a local base as its absolute path: found from any folder
+        config["model"] = base_name_to_record(self.cfg.model)
+        return {"config": config, "engine_options": self.engine_options.to_dict(),
                 "activations": self.activation_policy,
                 # the detected data format: generate/chat ask in the layout trained on
                 "data_format": getattr(getattr(self, "train_data", None), "format", None),

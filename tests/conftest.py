@@ -18,3 +18,10 @@ torch.set_num_threads(1)
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+def pytest_collection_modifyitems(config, items):
+    """The real-model tests (marked slow: minutes each) first, so that parallel workers
+    (pytest-xdist, --dist loadfile) start them early instead of one worker running the longest
+    file alone at the end. A stable sort: the order is otherwise the collection's."""
+    items.sort(key=lambda item: 0 if item.get_closest_marker("slow") else 1)

@@ -20,8 +20,17 @@ def _seed():
     yield
 
 
+HEAVY_DIRS = ("tests/engine/", "tests/kernels/")  # files of minutes (kernels interpreted)
+
+
 def pytest_collection_modifyitems(config, items):
-    """The real-model tests (marked slow: minutes each) first, so that parallel workers
-    (pytest-xdist, --dist loadfile) start them early instead of one worker running the longest
-    file alone at the end. A stable sort: the order is otherwise the collection's."""
-    items.sort(key=lambda item: 0 if item.get_closest_marker("slow") else 1)
+    """The longest files first: the real-model tests (marked slow: minutes each), then the
+    engine and kernel tests, so that parallel workers (pytest-xdist, --dist loadfile) end on
+    short files instead of one worker running a long one alone at the end. A stable sort: the
+    order is otherwise the collection's."""
+    def rank(item):
+        if item.get_closest_marker("slow"):
+            return 0
+        return 1 if any(d in item.nodeid.replace("\\", "/") for d in HEAVY_DIRS) else 2
+
+    items.sort(key=rank)

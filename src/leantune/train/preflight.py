@@ -48,11 +48,15 @@ def locate_model(name: str) -> Path:
     return resolve_checkpoint(name)
 
 
-def triton_interpreted() -> bool:
-    """Whether Triton kernels run through its CPU interpreter (TRITON_INTERPRET=1, the tests)."""
+def check_kernels(kernels: str, device: torch.device, name: str = "--kernels") -> None:
+    """Triton kernels compile for a GPU: `kernels` "triton" off CUDA is refused in one line
+    (TRITON_INTERPRET=1, the tests' CPU interpreter, excepted). `name`: where it was set."""
     import os
 
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    if (kernels == "triton" and device.type != "cuda"
+            and os.environ.get("TRITON_INTERPRET") != "1"):
+        raise LeantuneError(f"{name} triton needs a CUDA GPU (this run is on the "
+                            f"{device.type.upper()}); use {name} auto or reference")
 
 
 def check_settings(cfg, model_config: ModelConfig, device: torch.device) -> None:
@@ -68,10 +72,7 @@ def check_settings(cfg, model_config: ModelConfig, device: torch.device) -> None
     - --kernels triton off CUDA (Triton compiles for a GPU; TRITON_INTERPRET=1, the tests'
       interpreter, excepted);
     - --router-aux-loss-coef on a dense model."""
-    if (cfg.engine.kernels == "triton" and device.type != "cuda"
-            and not triton_interpreted()):
-        raise LeantuneError(f"--kernels triton needs a CUDA GPU (this run is on the "
-                            f"{device.type.upper()}); use --kernels auto or reference")
+    check_kernels(cfg.engine.kernels, device)
     if cfg.router_aux_loss_coef > 0 and model_config.moe is None:
         raise LeantuneError(f"--router-aux-loss-coef: {cfg.model or 'the model'} is not a "
                             f"mixture-of-experts model ({model_config.model_type}); leave the "

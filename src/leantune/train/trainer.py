@@ -41,7 +41,7 @@ from .health import NonFiniteWatch
 from .merge_at_end import check_merge_at_end
 from .objectives import objective_for
 from .output import RunFolder, final_save
-from .preflight import check_settings, check_weights, locate_model, triton_interpreted
+from .preflight import check_kernels, check_settings, check_weights, locate_model
 from .reporting import check_report_to
 from .runner import StepRunner, TrainResult, drop_metrics_after, peak_memory_gib  # noqa: F401
 from .samples import SampleWriter
@@ -207,9 +207,7 @@ class Trainer(StepRunner):
             self.log("note: --stream-max-layers and --stream-fill-ahead apply with "
                      "--stream-weights only; ignored here")
         cuda = self.device.type == "cuda"
-        if options.kernels == "triton" and not cuda and not triton_interpreted():
-            raise LeantuneError(f"kernels triton (LEANTUNE_KERNELS) needs a CUDA GPU (this run "
-                                f"is on the {self.device.type.upper()}); use auto or reference")
+        check_kernels(options.kernels, self.device, "LEANTUNE_KERNELS")  # (an env override)
         if options.attention == "flash" and not cuda:
             self.log(f"note: --attention flash is for CUDA; on the {self.device.type.upper()} "
                      "the layers' attention runs through PyTorch ops")

@@ -1,5 +1,5 @@
 """Issue 21, section 6: on the real SmolLM2-135M-Instruct, a CPU GRPO run through the CLI with a
-reward file (a brevity reward on one-sentence prompts) raises the mean reward within a few dozen
+reward file (a brevity reward on one-sentence prompts) raises the mean reward within a dozen
 steps, and PEFT loads the adapter on transformers' model (its logits equal leantune's with the
 adapter)."""
 
@@ -41,14 +41,17 @@ def test_grpo_raises_the_reward_and_peft_loads_the_adapter(capsys, tmp_path):
     rc, stdout, err = run_cli(
         capsys, "train", "--model", ckpt, "--data", data, "--objective", "grpo",
         "--reward", f"{tmp_path / 'rewards.py'}:brevity", "--num-generations", "4",
-        "--batch-size", "2", "--max-completion-tokens", "48", "--max-seq-len", "128",
-        "--max-steps", "24", "--warmup-steps", "2", "--device", "cpu", "--dtype", "float32",
+        "--batch-size", "2", "--max-completion-tokens", "32", "--max-seq-len", "128",
+        "--max-steps", "12", "--warmup-steps", "2", "--lr", "1e-3", "--device", "cpu",
+        "--dtype", "float32",
         "--no-progress", "--output", out)
     assert rc == 0, err
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["reward"] for r in rows if "reward" in r]
-    first, last = statistics.fmean(rewards[:6]), statistics.fmean(rewards[-6:])
-    assert last > first + 0.15, rewards
+    # 12 steps at lr 1e-3 (seeds 1, 2 and 42 tried): the first three steps' mean reward is
+    # near 0.6, the last three's near 1.0.
+    first, last = statistics.fmean(rewards[:3]), statistics.fmean(rewards[-3:])
+    assert last > first + 0.2, rewards
 
     base = AutoModelForCausalLM.from_pretrained(ckpt, trust_remote_code=False,
                                                 torch_dtype=torch.float32)

@@ -4,6 +4,8 @@ weight loads (train/preflight.py check_settings): --lora-targets experts on a de
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from helpers import one_torch_thread  # noqa: F401  (autouse)
@@ -80,3 +82,26 @@ def test_max_memory_gib_needs_the_auto_plan():
     with pytest.raises(LeantuneError, match="--activations recompute"):
         check_settings(cfg(lora_r=4, max_memory_gib=8, activations="recompute"), dense,
                        meta_cuda)
+
+
+@pytest.mark.parametrize("where", [".", "checkpoints/step-00000002", "merged"])
+@pytest.mark.parametrize("flag", ["adapter", "model"])
+def test_inputs_inside_what_the_output_writes_are_refused(tmp_path, monkeypatch, flag, where):
+    """--adapter / --model that is the output folder, or inside its checkpoints/ or merged/:
+    --overwrite would set it aside and delete it, a resume would read the new run's files as the
+    old input. Refused in one line before anything is written."""
+    from leantune.train.config import TrainConfig
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run" / where).mkdir(parents=True, exist_ok=True)
+    given = str(Path("run") / where)
+    def config(**kw):
+        return TrainConfig(**{"model": "m", "data": "d.jsonl", "output": "run", **kw})
+
+    cfg = config(**{flag: given})
+    with pytest.raises(LeantuneError, match=f"--{flag} .* is the output folder run or inside"):
+        cfg.validate()
+    # beside the output, or the output inside the input folder: fine here
+    (tmp_path / "sft").mkdir()
+    config(**{flag: "sft"}).validate()
+    config(output="sft/dpo", **{flag: "sft"}).validate()

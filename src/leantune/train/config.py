@@ -11,6 +11,7 @@ section. A saved config (run_config.json, a checkpoint's state.json) reads back 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
@@ -229,6 +230,27 @@ class TrainConfig:
             return self.objective.name
         return getattr(self, name)
 
+    def _check_inputs_outside_output(self) -> None:
+        """Refuse a local --adapter or --model that is the output folder, or inside the
+        checkpoints/ or merged/ folder it writes: --overwrite sets a run's files aside and deletes
+        them once the new run has a checkpoint, checkpoints rotate, and a --resume would read the
+        new run's files as the old input (an adapter folded in twice, a wrong reference)."""
+        from .checkpoint import CKPT_DIR
+        from .merge_at_end import MERGED_DIR
+
+        out = Path(self.output).expanduser().resolve()
+        owned = (out, out / CKPT_DIR, out / MERGED_DIR)
+        for flag, value in (("--adapter", self.adapter), ("--model", self.model)):
+            path = Path(value).expanduser() if isinstance(value, (str, os.PathLike)) else None
+            if path is None or not path.exists():  # a hub name, or missing (checked elsewhere)
+                continue
+            path = path.resolve()
+            if path == out or any(path == d or d in path.parents for d in owned[1:]):
+                raise LeantuneError(
+                    f"{flag} {value} is the output folder {self.output} or inside what the run "
+                    "writes there: the run would replace what it reads; copy it elsewhere or "
+                    "pick another --output")
+
     def engine_options(self) -> EngineOptions:
         """The engine options this config sets (checked: a bad value is a one-line error)."""
         return self.engine.build()
@@ -290,6 +312,7 @@ class TrainConfig:
             raise LeantuneError(f"--adapter {self.adapter}: continuing from an adapter folds it "
                                 "into the base weights, which a 4-bit (NF4) base cannot take "
                                 "without changing; drop --load-in-4bit (train on the 16-bit base)")
+        self._check_inputs_outside_output()
         if self.precision not in ("bf16", "fp8"):
             raise LeantuneError(f"--precision must be bf16 or fp8, got {self.precision!r}")
         if self.precision == "fp8" and (self.full or self.load_in_4bit or self.adapter):

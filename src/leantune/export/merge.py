@@ -18,10 +18,15 @@ that checkpoint as --model: the adapter is merged onto its 16-bit weights. A pre
 the dequantised one, where it is at hand.
 
 The export is written into a hidden folder beside OUT and renamed into place at the end (a short
-journal of renames, `_publish`, whose every prefix the next export mends: `recover_publish`); a
-failed, interrupted or killed export leaves OUT as it was, one export at a time holds OUT (a lock
-file beside it), and OUT may never be, contain or lie inside the base or adapter folder (a
-subfolder of the adapter's folder is fine: a run's own merged/).
+sequence of renames, `_publish`, whose every prefix the next export mends: `recover_publish`); a
+journal file beside OUT, written before the hidden folder is made and removed once it is gone,
+is the proof that the folders at leantune's names beside OUT are an export's: without it nothing
+there is deleted or moved unless its contents are exactly an export's (what leantune <= 0.3 left,
+with no journal), so a user's folder of a like name is never touched. A failed, interrupted or
+killed export leaves OUT as it was, one export at a time holds OUT (a lock file beside it), and
+OUT may never be, contain or lie inside the base or adapter folder (a subfolder of the adapter's
+folder is fine: a run's own merged/). `--overwrite` replaces the files an export writes (by
+their exact names: `_is_export_file`) and keeps every other file in OUT.
 """
 
 from __future__ import annotations
@@ -47,12 +52,13 @@ from ..model.transformer import CausalLM
 from ..model.weight_map import read_piece_into
 from ..train.checkpoint import latest_checkpoint
 from ..utils import signals
-from ..utils.io import atomic_write_json, fsync_dir, refuse_link_at, remove, replace
+from ..utils.io import (atomic_write_json, atomic_write_text, fsync_dir, refuse_link_at, remove,
+                        replace)
 from ..utils.lock import lock_beside
 from ..utils.paths import check_output_folder
 from .full import TOKENIZER_FILES, copy_side_files, set_config_dtype
 from .serving import write_generation_config
-from .shards import write_sharded
+from .shards import INDEX, SHARD_NAME, write_sharded
 
 
 def adapter_source(path: Path, log=print) -> tuple[LoRAConfig, Path]:
@@ -331,10 +337,12 @@ def export_merged(model: str | os.PathLike, adapter_dir: str | os.PathLike | Non
     check_output_folder(out, {"base model": src, "adapter": adapter, "original model": onto},
                         may_lie_inside=("adapter",))
     with lock_beside(out):  # one export into `out` at a time (a second names its PID)
-        recover_publish(out)  # first, what an export killed in `out` left
+        recover_publish(out, log)  # first, what an export killed in `out` left
         if out.exists() and any(out.iterdir()) and not overwrite:
             raise LeantuneError(f"{out}: output folder is not empty; choose a new folder or pass "
                                 "--overwrite")
+        tmp, old = _stage_names(out)
+        _refuse_in_the_way(out)
         weights = MergedWeights(src, adapter, log, onto)  # checks the adapter fits this base
         out_dtype = DTYPES[dtype] if dtype else None
         entries = []
@@ -346,9 +354,12 @@ def export_merged(model: str | os.PathLike, adapter_dir: str | os.PathLike | Non
             entries.append((key, _numel(shape) * itemsize,
                             lambda key=key: weights.tensor(key, out_dtype)))
 
-        tmp, _ = _stage_names(out)
+        journal = _journal(out)
+        atomic_write_text(journal, _journal_text(out))  # before the folder it vouches for
+        made = False
         try:
             tmp.mkdir()
+            made = True
             write_sharded(entries, tmp, max_shard_bytes)
             config = weights.hf_config()
             if out_dtype is not None:
@@ -360,14 +371,26 @@ def export_merged(model: str | os.PathLike, adapter_dir: str | os.PathLike | Non
             write_generation_config(src, tmp)
             _publish(tmp, out)
         finally:
-            if tmp.exists():
+            if made and tmp.exists():
                 shutil.rmtree(tmp)
+            if not old.exists():  # (else a publish failed between its renames: kept to mend)
+                remove(journal)
     return out
 
 
+EXPORT_FILES = ("config.json", "model.safetensors", INDEX, *TOKENIZER_FILES)
+
+
 def _is_export_file(name: str) -> bool:
-    return (name in ("config.json", "model.safetensors.index.json", *TOKENIZER_FILES)
-            or re.fullmatch(r"model.*\.safetensors", name) is not None)
+    """Whether `name` is one of the files an export writes (exactly: `model_v1.safetensors` is a
+    user's file), which `--overwrite` replaces; every other file in the output is kept."""
+    return name in EXPORT_FILES or SHARD_NAME.fullmatch(name) is not None
+
+
+def _is_export_temp(name: str) -> bool:
+    """An unfinished write of an export file (utils/io.atomic_path's `.NAME.tmp-PID-XXXXXXXX`)."""
+    m = re.fullmatch(r"\.(.+)\.tmp-\d+-[0-9a-f]{8}", name)
+    return m is not None and _is_export_file(m[1])
 
 
 def _stage_names(out: Path) -> tuple[Path, Path]:
@@ -378,8 +401,29 @@ def _stage_names(out: Path) -> tuple[Path, Path]:
             out.with_name(f".{out.name}.leantune-old"))
 
 
+def _journal(out: Path) -> Path:
+    """The file beside `out` that is there while the stage folders are an export's."""
+    return out.with_name(f".{out.name}.leantune-publish.json")
+
+
+def _journal_text(out: Path) -> str:
+    tmp, old = _stage_names(out)
+    return json.dumps({"leantune": "export publish", "output": out.name, "new": tmp.name,
+                       "previous": old.name}, indent=2) + "\n"
+
+
+def _journal_is_ours(out: Path) -> bool:
+    """Whether the journal beside `out` is the one an export writes (a regular file, its text)."""
+    path, want = _journal(out), _journal_text(out).encode()
+    try:
+        return (path.is_file() and not path.is_symlink() and path.stat().st_size == len(want)
+                and path.read_bytes() == want)
+    except OSError:
+        return False
+
+
 def _publish(tmp: Path, out: Path) -> None:
-    """Put the finished export `tmp` in place of `out`: the journal is the folders' names.
+    """Put the finished export `tmp` in place of `out`, while the journal (`_journal`) is there:
         1. out -> OLD          (a kill here: out missing, OLD there -> OLD goes back to out)
         2. tmp -> out          (a kill here: out and OLD there -> step 3 is finished)
         3. the files of OLD that are not an export's (a user's notes) move into out,
@@ -397,37 +441,112 @@ def _publish(tmp: Path, out: Path) -> None:
     _merge_back(old, out)
 
 
-def _merge_back(old: Path, out: Path) -> None:
-    """Steps 3-4 of `_publish`: keep the user's files of the previous export folder `old`."""
+def _merge_back(old: Path, out: Path) -> bool:
+    """Steps 3-4 of `_publish`: keep the user's files of the previous export folder `old`.
+    Whether `old` is gone: a file of the user's that `out` has a namesake of (never so after
+    a publish; a folder of leantune <= 0.3 might) keeps it there, untouched but for the moves."""
+    kept = False
     for f in sorted(old.iterdir()):
-        if not _is_export_file(f.name) and not (out / f.name).exists():
+        if _is_export_file(f.name):
+            continue
+        if (out / f.name).exists() or (out / f.name).is_symlink():
+            kept = True
+        else:
             replace(f, out / f.name)
     fsync_dir(out)
-    remove(old)
+    if not kept:
+        remove(old)
+    return not kept
 
 
-def recover_publish(out: Path) -> None:
-    """Finish or undo what an export killed while publishing into `out` left beside it (and the
-    `.tmp-PID` / `.old-PID` folders of leantune <= 0.3): a previous export renamed aside while
-    `out` is missing goes back; one renamed aside after the new one arrived gives up its user
-    files and goes; an unfinished new export is deleted."""
+def _restore(old: Path, out: Path) -> bool:
+    """A previous export renamed aside: back in place of a missing `out`, or its user's files
+    into the new `out` (steps 3-4 of `_publish`). Whether `old` is gone."""
+    if out.exists():
+        return _merge_back(old, out)
+    replace(old, out)  # killed between the renames: the previous export comes back
+    fsync_dir(out.parent)
+    return True
+
+
+def _holds_an_export(folder: Path) -> bool:
+    """A previous export renamed aside by leantune <= 0.3 (no journal): its config.json and its
+    weights (an index or model.safetensors), regular files."""
+    def regular(name):
+        return (folder / name).is_file() and not (folder / name).is_symlink()
+
+    return regular("config.json") and (regular(INDEX) or regular("model.safetensors"))
+
+
+def _only_export_files(folder: Path) -> bool:
+    """An unfinished export folder of leantune <= 0.3 (no journal): nothing in it but regular
+    files an export writes, finished or not."""
+    return all(f.is_file() and not f.is_symlink()
+               and (_is_export_file(f.name) or _is_export_temp(f.name)) for f in folder.iterdir())
+
+
+def recover_publish(out: Path, log=print) -> None:
+    """Finish or undo what an export killed while publishing into `out` left beside it: a
+    previous export renamed aside while `out` is missing goes back; one renamed aside after the
+    new one arrived gives up its user files and goes; an unfinished new export is deleted.
+
+    Only what leantune provably made is touched: the folders at the stage names
+    (`_stage_names`) while the export's journal is there, and the `.OUT.tmp-PID` / `.OUT.old-PID`
+    folders of leantune <= 0.3 (and stage folders without a journal) whose contents are exactly
+    an export's (`_only_export_files`, `_holds_an_export`). A link at a stage name is removed
+    (never what it names); an empty folder there is removed (nothing in it to lose); anything
+    else, a user's folder of a like name, is left as it is, named in one line to `log`."""
     tmp, old = _stage_names(out)
-    olds = [old, *sorted(out.parent.glob(f".{glob_escape(out.name)}.old-*"))]
-    tmps = [tmp, *sorted(out.parent.glob(f".{glob_escape(out.name)}.tmp-*"))]
-    for o in olds:
-        if o.is_symlink():  # not a folder an export made: the link goes, never what it names
-            remove(o)
+    for stage in (old, tmp):
+        if stage.is_symlink():  # not a folder an export made: the link goes, never what it names
+            remove(stage)
+    journaled = _journal_is_ours(out)
+    legacy = re.compile(rf"\.{re.escape(out.name)}\.(old|tmp)-\d+")
+    stages = [(old, "old", journaled), (tmp, "tmp", journaled)]
+    for path in sorted(out.parent.glob(f".{glob_escape(out.name)}.*-*")):
+        m = legacy.fullmatch(path.name)
+        if m:
+            stages.append((path, m[1], False))
+    left = []
+    for path, kind, ours in sorted(stages, key=lambda s: s[1]):  # the previous exports first
+        if not path.is_dir() or path.is_symlink():
+            if path.exists() or path.is_symlink():
+                left.append(path)
             continue
-        if not o.is_dir():
-            continue
-        if not out.exists():
-            replace(o, out)  # killed between the renames: the previous export comes back
-            fsync_dir(out.parent)
+        if kind == "old" and (ours or _holds_an_export(path)):
+            if not _restore(path, out):
+                left.append(path)
+        elif kind == "tmp" and (ours or _only_export_files(path)):
+            remove(path)
         else:
-            _merge_back(o, out)
-    for t in tmps:
-        if t.exists() or t.is_symlink():
-            remove(t)
+            try:
+                path.rmdir()  # an empty folder: nothing in it to lose
+            except OSError:
+                left.append(path)
+    journal = _journal(out)
+    unfinished = re.compile(rf"{re.escape('.' + journal.name)}\.tmp-\d+-[0-9a-f]{{8}}")
+    for path in out.parent.glob(f"{glob_escape('.' + journal.name)}.tmp-*"):
+        try:  # an unfinished write of the journal (its text so far): the stages came after it
+            if (unfinished.fullmatch(path.name) and path.is_file() and not path.is_symlink()
+                    and _journal_text(out).encode().startswith(path.read_bytes())):
+                remove(path)
+        except OSError:
+            pass
+    if journaled:
+        remove(journal)
+    if left:
+        log(f"note: left as they are beside {out}, not folders an export provably left: "
+            f"{', '.join(p.name for p in left)}")
+
+
+def _refuse_in_the_way(out: Path) -> None:
+    """After `recover_publish`: a folder or file at a name the export writes beside `out` is not
+    one it can tell it made; it is not deleted, the export is refused."""
+    for path in (*_stage_names(out), _journal(out)):
+        if path.exists() or path.is_symlink():
+            raise LeantuneError(f"{path}: a name the export of {out.name} writes beside it is "
+                                "taken by something leantune cannot tell it made; move it away "
+                                "(or delete it) and run the export again")
 
 
 def glob_escape(name: str) -> str:

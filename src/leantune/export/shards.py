@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -10,6 +11,10 @@ import torch
 from ..utils.io import atomic_path, atomic_write_json
 
 Entry = tuple[str, int, Callable[[], torch.Tensor]]  # (name, bytes, produce the tensor)
+
+INDEX = "model.safetensors.index.json"
+# the names of the shards `write_sharded` writes (and Hugging Face's own), nothing else
+SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
 def write_sharded(entries: list[Entry], out: Path, max_shard_bytes: int = 4 << 30) -> None:
@@ -34,5 +39,5 @@ def write_sharded(entries: list[Entry], out: Path, max_shard_bytes: int = 4 << 3
             save_file(shard, str(tmp), metadata={"format": "pt"})
         weight_map.update({key: name for key in shard})
         del shard
-    atomic_write_json(out / "model.safetensors.index.json",
+    atomic_write_json(out / INDEX,
                       {"metadata": {"total_size": total}, "weight_map": weight_map})

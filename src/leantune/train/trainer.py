@@ -168,6 +168,8 @@ class Trainer(StepRunner):
             if self.prequantized and cfg.full:
                 raise LeantuneError(f"{weights}: a 4-bit (bnb-4bit) checkpoint is a frozen base "
                                     "for LoRA; --full needs its 16-bit weights")
+        if weights is not None and cfg.resume and not cfg.full:
+            self._check_resumed_base(weights)
         if cfg.adapter:  # lora/fold.py: checked (and its base) before the weights load
             from ..lora.base_check import check_base
             from ..lora.fold import check_foldable
@@ -179,6 +181,25 @@ class Trainer(StepRunner):
             if weights is not None:
                 check_base(adapter_weights, cfg.model, weights, log=self.log)
         return model_dir, weights
+
+    def _check_resumed_base(self, weights: Path) -> None:
+        """--resume of a LoRA run on other base weights than its checkpoints were trained on
+        (state.json's base_fingerprint: lora/base_check.py) would mix two bases in one adapter:
+        refused in one line before the weights load."""
+        from ..lora.base_check import fingerprint, recorded_base
+
+        ckpt = latest_checkpoint(self.output)
+        if ckpt is None:
+            return
+        name, was = recorded_base(ckpt / "trainable.safetensors")
+        if was is None:  # (a checkpoint written before fingerprints: nothing to compare)
+            return
+        now = fingerprint(weights)
+        if now != was:
+            raise LeantuneError(
+                f"{ckpt}: the run was trained on {name or 'another base'} (weights fingerprint "
+                f"{was}), but --model {self.cfg.model} has other weights ({now}); resume with "
+                "the base it was trained on (or start a new run in another --output)")
 
     # --- setup ---------------------------------------------------------------------------------
     def _setup_trainable(self) -> None:

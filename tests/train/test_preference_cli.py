@@ -199,8 +199,9 @@ def test_precompute_reference_resume_and_changed_data(capsys, tmp_path):
     changed.write_text("\n".join(rows) + "\n")
     msg = cli_error(capsys, "train", *common, "--data", changed, "--output", pre,
                     "--max-steps", "4", "--precompute-reference", "--resume")
-    assert "reference_logps.safetensors: these reference log-probs were computed for other " \
-           "data or another model" in msg
+    # (the checkpoint's data digest sees the change first; the reference file's fingerprint
+    # would refuse it too)
+    assert "cannot resume: the training data changed since the checkpoint" in msg
 
 
 # ---- full fine-tuning -----------------------------------------------------------------------

@@ -23,6 +23,9 @@ from leantune.data.packing import pack_first_fit_decreasing
 from leantune.data.sources import load_rows
 from leantune.errors import LeantuneError
 
+# a loader fingerprint's keys that describe the data itself (the rest: batching settings)
+DATA_KEYS = ("num_docs", "num_tokens", "num_items", "data_digest")
+
 Document = tuple[list[int], list[int]]  # (token ids [L], shifted labels [L])
 
 
@@ -253,6 +256,7 @@ class PackedLoader:
         self.max_seq_len = _check_max_seq_len(max_seq_len)
         self.lengths = [len(ids) for ids, _ in self.docs]
         self._num_tokens = sum(self.lengths)  # for the fingerprint, taken every training step
+        self._digest: str | None = None  # data_digest, made at the first checkpoint
         longest = max(self.lengths)
         if longest > self.max_seq_len:
             raise ValueError(f"a document has {longest} tokens, more than max_seq_len "
@@ -347,7 +351,16 @@ class PackedLoader:
     def _fingerprint(self) -> dict:
         return {"seed": self.seed, "batch_size": self.batch_size, "max_seq_len": self.max_seq_len,
                 "shuffle": self.shuffle, "num_docs": len(self.docs),
-                "num_tokens": self._num_tokens}
+                "num_tokens": self._num_tokens, "data_digest": self.data_digest}
+
+    @property
+    def data_digest(self) -> str:
+        """The documents' content (utils/digest.py), once: a resume on edited data is refused."""
+        if self._digest is None:
+            from ..utils.digest import content_digest
+
+            self._digest = content_digest(self.docs)
+        return self._digest
 
     def state_dict(self) -> dict:
         """Position of the next batch plus a fingerprint of what determines the batches."""
@@ -358,6 +371,11 @@ class PackedLoader:
         mine = self._fingerprint()
         for key, value in mine.items():
             if key in state and state[key] != value:
+                if key in DATA_KEYS:
+                    raise LeantuneError(
+                        f"cannot resume: the training data changed since the checkpoint ({key} "
+                        f"{state[key]!r}, now {value!r}); resume with the same data, or start "
+                        "a new run in another --output")
                 raise LeantuneError(
                     f"cannot resume the data loader: the checkpoint has {key}={state[key]!r} but "
                     f"this run has {key}={value!r}; resume with the same data, --batch-size "

@@ -50,6 +50,7 @@ import torch
 from ...errors import LeantuneError
 from ...kernels import segment_sum
 from ..losses import preference as L
+from ...data.dataset import DATA_KEYS
 from ...data.files import format_location
 from .base import MicroLoss, Objective
 
@@ -113,6 +114,7 @@ class PreferenceLoader:
         self.shared_prompt = bool(shared_prompt) and self.kind == "pairs"
         self.epoch = self.batch_index = 0
         self._cls = _batch_classes()
+        self._digest: str | None = None
 
     def __len__(self) -> int:
         return -(-len(self.dataset) // self.batch_size)
@@ -160,8 +162,13 @@ class PreferenceLoader:
             yield self.get_batch(self.epoch, i)
 
     def _fingerprint(self) -> dict:
+        if self._digest is None:  # the rows' content (utils/digest.py): edited data is refused
+            from ...utils.digest import content_digest
+
+            self._digest = content_digest(self.dataset[i] for i in range(len(self.dataset)))
         return {"seed": self.seed, "batch_size": self.batch_size, "max_seq_len": self.max_seq_len,
-                "shuffle": self.shuffle, "num_items": len(self.dataset)}
+                "shuffle": self.shuffle, "num_items": len(self.dataset),
+                "data_digest": self._digest}
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "batch_index": self.batch_index, **self._fingerprint()}
@@ -169,6 +176,11 @@ class PreferenceLoader:
     def load_state_dict(self, state: dict) -> None:
         for key, value in self._fingerprint().items():
             if key in state and state[key] != value:
+                if key in DATA_KEYS:
+                    raise LeantuneError(
+                        f"cannot resume: the training data changed since the checkpoint ({key} "
+                        f"{state[key]!r}, now {value!r}); resume with the same data, or start "
+                        "a new run in another --output")
                 raise LeantuneError(
                     f"cannot resume the data loader: the checkpoint has {key}={state[key]!r} but "
                     f"this run has {key}={value!r}; resume with the same data, --batch-size, "

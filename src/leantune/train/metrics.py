@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
 
 class MetricsWriter:
     """Appends one JSON object per line to `path`, flushed at once (a crash loses nothing).
-    A symbolic link at `path` is refused in one line, never written through."""
+    A symbolic link at `path` is refused in one line, never written through. A NaN or
+    infinite value is written as null (strict JSON readers such as jq refuse NaN)."""
 
     def __init__(self, path: str | Path, append: bool = False):
         from ..utils.io import open_append
@@ -18,6 +20,8 @@ class MetricsWriter:
         self._f = open_append(self.path, truncate=not append)
 
     def write(self, record: dict) -> None:
+        record = {k: None if isinstance(v, float) and not math.isfinite(v) else v
+                  for k, v in record.items()}
         self._f.write(json.dumps(record) + "\n")
         self._f.flush()
 

@@ -367,9 +367,24 @@ class StepRunner:
         kept = (f"the last good checkpoint {ckpt} is kept" if ckpt is not None
                 else "no checkpoint was written")
         result = "model" if self.cfg.full else "adapter"
+        bad = self._nonfinite_weight() if first <= 1 else None
+        if bad is not None:  # a damaged checkpoint, not the learning rate
+            return LeantuneError(f"{steps}: {what}: the model's weight {bad} holds NaN or "
+                                 f"infinite values before training changed it; --model "
+                                 f"{self.cfg.model} is damaged: download or export it again")
         return LeantuneError(f"{steps}: {what}: training diverged and stopped, and no final "
                              f"{result} was written ({kept}); {diverged_advice(self.cfg)}, in "
                              "a new run (--overwrite)")
+
+    def _nonfinite_weight(self) -> str | None:
+        """The name of a frozen floating-point weight holding NaN / inf (None: none does): at
+        the first step such a loss comes from the checkpoint, not from training."""
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                t = p.to_local() if hasattr(p, "to_local") else p  # (FSDP2: this shard)
+                if not p.requires_grad and t.is_floating_point() and not bool(t.isfinite().all()):
+                    return name
+        return None
 
     def _already_finished(self) -> TrainResult:
         """`--resume` of a run that reached its last step: nothing to train. The final adapter

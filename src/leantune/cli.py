@@ -637,6 +637,11 @@ def main(argv: list[str] | None = None) -> int:
             return e.exit_code
         except KeyboardInterrupt as e:  # before a run started, or in an export: nothing written
             return _interrupted(e)
+        except RecursionError:  # a file read elsewhere than the readers that name it
+            if env_rank() == 0:
+                print("leantune: error: an input file nests its structure (JSON, YAML) too deeply "
+                      "to read; check the files the command was given", file=sys.stderr)
+            return 2
         except Exception as e:
             if signals.received():
                 return _interrupted(signals.received())

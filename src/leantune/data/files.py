@@ -91,6 +91,9 @@ def _read_jsonl(path: Path) -> list[tuple[Location, dict]]:
             raise LeantuneError(
                 f"{path}:{lineno}: malformed JSON ({_short(e)}); each line must be one JSON "
                 "object") from None
+        except RecursionError:
+            raise LeantuneError(f"{path}:{lineno}: JSON nested too deeply to read; each line "
+                                "must be one JSON object of a few levels") from None
         if not isinstance(obj, dict):
             raise LeantuneError(
                 f"{path}:{lineno}: expected a JSON object, got {_type_name(obj)}; each line must "
@@ -109,6 +112,9 @@ def _read_json(path: Path) -> list[tuple[Location, dict]]:
         raise LeantuneError(
             f"{path}:{e.lineno}: malformed JSON ({_short(e)}); a .json file must hold a list of "
             "objects (use .jsonl for one object per line)") from None
+    except RecursionError:
+        raise LeantuneError(f"{path}: JSON nested too deeply to read; a .json file must hold a "
+                            "list of objects of a few levels") from None
     if isinstance(obj, dict):
         for key in ("data", "train"):
             if isinstance(obj.get(key), list):

@@ -334,6 +334,8 @@ def read_adapter_config(adapter_dir: Path) -> LoRAConfig:
                             "written by `leantune train` or PEFT") from None
     except json.JSONDecodeError as e:
         raise LeantuneError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
+    except RecursionError:
+        raise LeantuneError(f"{path}: JSON nested too deeply to read") from None
     if not isinstance(d, dict):
         raise LeantuneError(f"{path}: expected a JSON object, got {type(d).__name__}")
     targets = d.get("target_modules") or ([] if d.get("target_parameters") else ALL_TARGETS)

@@ -264,6 +264,8 @@ class ModelConfig:
                                 "checkpoint folder") from None
         except json.JSONDecodeError as e:
             raise LeantuneError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
+        except RecursionError:
+            raise LeantuneError(f"{path}: JSON nested too deeply to read") from None
         return cls.from_dict(d, source=str(path))
 
 

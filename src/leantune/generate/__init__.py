@@ -6,8 +6,9 @@ token per step; CUDA graphs on CUDA), greedy and sampling, stop on EOS ids and s
                    max_new_tokens=64)             # -> [Generation(text, token_ids, stopped)]
 
 cache.py (the KV cache), sampling.py (the next token), decode.py (the loop), prompts.py (prompt
-files, prompts into token ids), text.py (`generate`: text in, text out), load.py (a model,
-adapter and tokenizer from paths), chat.py (the terminal chat).
+files, prompts into token ids), context.py (prompts against the model's context), text.py
+(`generate`: text in, text out), load.py (a model, adapter and tokenizer from paths), chat.py
+(the terminal chat).
 """
 
 import sys

@@ -10,12 +10,18 @@ alone, which keeps its values finite).
 The buffers are allocated once for B rows and S slots and never change shape; the slot being
 written is a device tensor (`start`) that the caller sets before each forward. So a decode step
 has static shapes and reads nothing back to the host: CUDA graphs can capture and replay it.
+
+Every row has S slots: the batch's longest prompt and the most new tokens. Before the buffers
+are allocated, a cache larger than the device's free memory (GPU: free plus what torch holds
+unused; CPU: MemAvailable) is refused in one line (`check_fits`) rather than failing in the
+allocator with a traceback.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..errors import LeantuneError
 from ..model.attention import AttentionMeta
 from ..model.config import ModelConfig
 
@@ -28,6 +34,7 @@ class KVCache:
 
     def __init__(self, cfg: ModelConfig, batch: int, slots: int, dtype: torch.dtype,
                  device: torch.device):
+        check_fits(cfg, batch, slots, dtype, device)
         shape = (batch, slots, cfg.num_key_value_heads, cfg.head_dim)
         layers = range(cfg.num_hidden_layers)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in layers]
@@ -65,3 +72,39 @@ class KVCache:
         self.k[layer].index_copy_(1, self._write, k)
         self.v[layer].index_copy_(1, self._write, v)
         return self.k[layer], self.v[layer]
+
+
+def check_fits(cfg: ModelConfig, batch: int, slots: int, dtype: torch.dtype,
+               device: torch.device) -> None:
+    """A one-line error when the buffers of a KVCache(cfg, batch, slots) cannot fit in the
+    device's free memory (nothing said where that is unknown)."""
+    from ..engine.planner import kv_cache_bytes
+
+    need = kv_cache_bytes(cfg, batch, slots, dtype.itemsize)
+    free = free_bytes(device)
+    if free is None or need <= free:
+        return
+    raise LeantuneError(
+        f"generating {batch} prompt{'s' if batch > 1 else ''} together needs a KV cache of "
+        f"{_gib(need)} ({slots:,} positions a row: the longest prompt and its completion), and "
+        f"{device} has {_gib(free)} free; give fewer prompts at a time (--batch-size), shorter "
+        "prompts or fewer new tokens (--max-new-tokens)")
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Bytes a new tensor can take on `device` now, or None where unknown."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if device.type != "cpu":
+        return None
+    from ..engine.planner import host_memory_bytes
+
+    return host_memory_bytes() or None
+
+
+def _gib(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n / 2**10:.0f} KiB"

@@ -8,6 +8,11 @@ input (Ctrl-D) ends the chat; Ctrl-C ends it too, the CLI saying so in one line.
 A model trained on alpaca prompts or plain text (`prompt_format` "alpaca" / "text": the run's
 own format, prompts.trained_prompt_format) is asked in that format instead; those formats have
 no turns, so each line is asked on its own (no history).
+
+The conversation shares the model's context with the reply (generate/context.py): a reply that
+would run past it stops there, and a message that leaves no room for one is left out of the
+conversation with a line that says so (/reset to start over, or a shorter message), and the chat
+goes on.
 """
 
 from __future__ import annotations
@@ -15,8 +20,9 @@ from __future__ import annotations
 import sys
 
 from ..errors import LeantuneError
+from .context import PromptTooLong
 from .prompts import DESCRIBE, typed_prompt
-from .text import generate
+from .text import MAX_NEW_TOKENS, generate
 
 HELP = "/reset starts over, /exit (or Ctrl-D) ends"
 
@@ -99,8 +105,28 @@ def chat(model, tokenizer, *, system: str | None = None, read=None, out=None,
         except KeyboardInterrupt:
             out.write("\n")
             raise
+        except PromptTooLong as e:
+            messages.pop()
+            out.write(_too_long(e, fresh=not turns or messages == start, system=bool(system)))
+            continue
         messages.append({"role": "assistant", "content": reply.text})
         if not turns:
             messages = list(start)
-        if reply.stopped == "length":
-            out.write("(the reply reached --max-new-tokens and was cut)\n")
+        if reply.stopped == "length":  # (short of max_new_tokens: at the model's context)
+            most = generate_kw.get("max_new_tokens", MAX_NEW_TOKENS)
+            out.write("(the reply reached --max-new-tokens and was cut)\n"
+                      if len(reply.token_ids) >= most else
+                      "(the reply reached the end of the model's context and was cut; /reset "
+                      "starts a new conversation)\n")
+
+
+def _too_long(e: PromptTooLong, fresh: bool, system: bool) -> str:
+    """The line for a message the model's context has no room to answer (left out: the chat
+    goes on). `fresh`: nothing earlier in the conversation to drop."""
+    if fresh:
+        return (f"(your message makes a prompt of {e.tokens:,} tokens{e.how}, and the model's "
+                f"context holds {e.context:,} for the prompt and the reply together; it was "
+                f"left out: shorten it{' (or --system)' if system else ''})\n")
+    return (f"(with your message the conversation is {e.tokens:,} tokens, and the model's "
+            f"context holds {e.context:,} for the conversation and the reply together; it was "
+            "left out: /reset starts a new conversation, or send a shorter message)\n")

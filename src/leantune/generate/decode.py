@@ -4,9 +4,10 @@
     logits of each prompt's last token -> sample -> step: the B new tokens -> logits -> ...
 
 Rows with the same prompt share one prefill (`share_prompts`). Each row stops at the first of
-its EOS ids, when its text holds a stop string (`stop_check`), or after max_new_tokens; the
-batch runs until every row has stopped. Finished rows keep being computed (the shapes stay
-static) and what they produce is dropped.
+its EOS ids, when its text holds a stop string (`stop_check`), or after max_new_tokens (its own
+when given one per row: generate caps a row at the model's context, context.py); the batch runs
+until every row has stopped. Finished rows keep being computed (the shapes stay static) and
+what they produce is dropped.
 
 Host syncs: the new tokens stay on the device; the host reads them back every `check_every`
 steps to see which rows have stopped. On CUDA that is every 8 steps (a read-back waits for the
@@ -55,11 +56,13 @@ class Decoded:
 
 
 class _Row:
-    """A row's generated ids as the host has read them, and whether it has stopped."""
+    """A row's generated ids as the host has read them, and whether it has stopped (at the
+    latest after `limit` ids)."""
 
-    def __init__(self):
+    def __init__(self, limit: int):
         self.ids: list[int] = []
         self.stopped: str | None = None
+        self.limit = limit
 
     def extend(self, new: list[int], eos: set[int], stop_check) -> list[int]:
         """Take the newly read ids up to the row's end; returns those it keeps, EOS left out."""
@@ -74,11 +77,13 @@ class _Row:
             kept.append(t)
             if stop_check is not None and stop_check(self.ids):
                 self.stopped = STOP_STRING
+            elif len(self.ids) >= self.limit:
+                self.stopped = LENGTH
         return kept
 
 
 @torch.no_grad()
-def decode(model, prompts: list[list[int]], max_new_tokens: int,
+def decode(model, prompts: list[list[int]], max_new_tokens: int | list[int],
            sampling: Sampling | None = None, eos_ids=(), stop_check: Callable | None = None,
            cuda_graphs: bool = True, check_every: int | None = None,
            on_tokens: Callable[[list[list[int]]], None] | None = None,
@@ -89,6 +94,8 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int,
 
     Args:
         model: a CausalLM (any mode; it runs in eval mode here and gets its mode back).
+        max_new_tokens: the most new tokens of every row, or a list: each row's own (the cache
+            is sized for the longest prompt + the most of them).
         sampling: greedy by default (`Sampling`).
         eos_ids: ids that end a row (the EOS is kept as its last token).
         stop_check: called with a row's ids after each new token; True stops the row (stop
@@ -108,12 +115,15 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int,
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    limits = ([max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int)
+              else list(max_new_tokens))
+    if len(limits) != len(prompts) or min(limits) < 1:
+        raise ValueError(f"max_new_tokens must be at least 1 (one for every row, or one per "
+                         f"row), got {max_new_tokens}")
     device = model.output_weight().device
     graphs = cuda_graphs and device.type == "cuda"
     B, P = len(prompts), max(len(p) for p in prompts)
-    slots = max(P + max_new_tokens, min_slots or 0)
+    slots = max(P + max(limits), min_slots or 0)
     if graphs:
         slots = -(-slots // GRAPH_SLOTS) * GRAPH_SLOTS
     was_training = model.training
@@ -123,7 +133,7 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int,
         step = _step_for(model, B, slots, device, graphs, log, projections)
         step.proj.refresh()  # the adapter as trained since the graph was captured
         with step.proj.installed():
-            return _run(model, step, prompts, max_new_tokens, sampling, eos_ids, stop_check,
+            return _run(model, step, prompts, limits, sampling, eos_ids, stop_check,
                         check_every, on_tokens, device, share_prompts)
     finally:
         if was_training:
@@ -166,15 +176,16 @@ def _prefill(model, cache: KVCache, prompts: list[list[int]], device, share: boo
     return logits.index_select(0, index)
 
 
-def _run(model, step, prompts, max_new_tokens, sampling, eos_ids, stop_check, check_every,
+def _run(model, step, prompts, limits, sampling, eos_ids, stop_check, check_every,
          on_tokens, device, share_prompts: bool = True) -> list[Decoded]:
-    """decode's loop (the model in eval mode, the step's projections installed)."""
+    """decode's loop (the model in eval mode, the step's projections installed); `limits`: each
+    row's most new tokens."""
     cache = step.cache
-    P = max(len(p) for p in prompts)
+    P, max_new_tokens = max(len(p) for p in prompts), max(limits)
     logits = _prefill(model, cache, prompts, device, share_prompts)
     sampler = Sampler(sampling or Sampling(), prompts, logits.shape[-1], device)
     out = torch.empty(len(prompts), max_new_tokens, dtype=torch.long, device=device)
-    rows = [_Row() for _ in prompts]
+    rows = [_Row(limit) for limit in limits]
     eos = set(int(i) for i in eos_ids)
     every = check_every or (1 if device.type != "cuda" or on_tokens else CUDA_CHECK_EVERY)
     recache_at = _recache_slot(model, P)

@@ -119,14 +119,28 @@ def typed_prompt(text: str, fmt: str, system: str | None = None):
     return render_alpaca_prompt(text) if fmt == "alpaca" else text
 
 
-def prompt_ids(tokenizer, prompt, where: str = "prompt") -> list[int]:
+class PromptIds(list):
+    """A prompt's token ids that remember where the prompt came from (`where`: a file and line,
+    `--prompt`) and whether they went through the chat template (`templated`): a prompt too
+    long for the model's context is named by them (context.py)."""
+
+    def __init__(self, ids, where: str, templated: bool = False):
+        super().__init__(ids)
+        self.where, self.templated = where, templated
+
+
+def prompt_ids(tokenizer, prompt, where: str = "prompt") -> PromptIds:
     """Token ids of one prompt: a text, a conversation (a list of {"role", "content"}), or
-    token ids (kept as they are)."""
+    token ids (kept as they are; ids from prompt_ids keep their `where`)."""
+    if isinstance(prompt, PromptIds):
+        return prompt
     if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt) and prompt:
-        return list(prompt)
+        return PromptIds(prompt, where)
     if tokenizer is None:
         raise ValueError(f"{where}: without a tokenizer, prompts must be lists of token ids")
-    if isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt) and prompt:
+    templated = (isinstance(prompt, (list, tuple)) and bool(prompt)
+                 and all(isinstance(m, dict) for m in prompt))
+    if templated:
         prompt = render_chat(tokenizer, list(prompt), where)
     if not isinstance(prompt, str):
         raise LeantuneError(f"{where}: a prompt is a text, a list of {{'role', 'content'}} "
@@ -138,6 +152,6 @@ def prompt_ids(tokenizer, prompt, where: str = "prompt") -> list[int]:
     if not ids:
         raise LeantuneError(f"{where}: the prompt is empty (and the tokenizer has no BOS token "
                             "to start from); give some text")
-    return ids
+    return PromptIds(ids, where, templated)
 
 

@@ -9,9 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import LeantuneError
+from .context import fit_to_context
 from .decode import decode
-from .prompts import prompt_ids
+from .prompts import PromptIds, prompt_ids
 from .sampling import Sampling
+
+MAX_NEW_TOKENS = 256  # generate's default
 
 
 @dataclass
@@ -59,8 +62,9 @@ class StopStrings:
         return text[:min(found)] if found else text
 
 
-def generate(model, tokenizer, prompts, *, max_new_tokens: int = 256, temperature: float = 0.0,
-             top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
+def generate(model, tokenizer, prompts, *, max_new_tokens: int = MAX_NEW_TOKENS,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+             repetition_penalty: float = 1.0,
              seed: int | None = None, stop: Sequence[str] = (), eos_token_ids=None,
              batch_size: int = 16, cuda_graphs: bool = True, streamer=None,
              log=None) -> list[Generation]:
@@ -72,12 +76,15 @@ def generate(model, tokenizer, prompts, *, max_new_tokens: int = 256, temperatur
         prompts: one prompt or a list of them; a prompt is a text, a conversation (a list of
             {"role", "content"} messages: the chat template, the assistant's turn opened) or a
             list of token ids.
-        max_new_tokens: the most tokens generated per prompt.
+        max_new_tokens: the most tokens generated per prompt (fewer where the prompt leaves
+            less of the model's context, said in a note; a prompt that leaves none is refused:
+            context.py).
         temperature: 0 greedy, > 0 sampling; top_k (0 off), top_p (1 off), repetition_penalty
             (1 off), seed: see `Sampling`.
         stop: strings that end a completion (cut from its text).
         eos_token_ids: ids that end a completion; default `default_eos_ids`.
-        batch_size: prompts decoded together (the KV cache is sized for them).
+        batch_size: prompts decoded together (the KV cache is sized for them: a cache that
+            cannot fit in the device's free memory is refused in one line, cache.py).
         cuda_graphs: replay the decode step as a CUDA graph (CUDA only).
         streamer: an object with put(ids) and end(), fed the new tokens of a single prompt as
             they come (leantune.generate.chat.TextStreamer).
@@ -95,13 +102,18 @@ def generate(model, tokenizer, prompts, *, max_new_tokens: int = 256, temperatur
     if streamer is not None and len(prompts) != 1:
         raise ValueError("a streamer follows one prompt; give one")
     ids = [prompt_ids(tokenizer, p, f"prompt {i + 1}") for i, p in enumerate(prompts)]
+    # before any allocation: each prompt within the model's context, its completion capped
+    # there; named by its file and line where it came from prompt_ids, else by its number
+    names = [p.where if isinstance(p, PromptIds) else None if len(ids) == 1 else q.where
+             for p, q in zip(prompts, ids)]
+    limits = fit_to_context(ids, names, max_new_tokens, model.config, log)
     eos = default_eos_ids(model, tokenizer) if eos_token_ids is None else list(eos_token_ids)
     stops = StopStrings(tokenizer, stop) if stop else None
     on_tokens = (lambda rows: streamer.put(rows[0])) if streamer is not None else None
     results = []
     for b in range(math.ceil(len(ids) / batch_size)):
-        chunk = ids[b * batch_size:(b + 1) * batch_size]
-        for row in decode(model, chunk, max_new_tokens, sampling, eos, stops, cuda_graphs,
+        part = slice(b * batch_size, (b + 1) * batch_size)
+        for row in decode(model, ids[part], limits[part], sampling, eos, stops, cuda_graphs,
                           on_tokens=on_tokens, log=log):
             text = ""
             if tokenizer is not None:

@@ -52,9 +52,11 @@ def test_resume_on_rows_edited_in_place_is_refused(tiny_ckpt, tmp_path):  # noqa
     text = edited[3]["output"]
     edited[3]["output"] = text[:-1] + ("a" if text[-1] != "a" else "b")
     write_jsonl(data, edited)
+    logs = []
     with pytest.raises(LeantuneError, match="the training data changed since the checkpoint"):
         Trainer(_cfg(tiny_ckpt, data, tmp_path / "run", max_steps=2, resume=True),
-                log=lambda *a: None).train()
+                log=logs.append)
+    assert not any("trainable parameters" in line for line in logs), logs  # before the weights
 
 
 def test_content_digest_sees_content_not_where_it_was_read():

@@ -34,7 +34,7 @@ from ..kernels.fp8 import emulating as fp8_emulating
 from ..lora.base_weight import check_precision, quantize_fp8_
 from ..utils.io import save_pretrained_safely
 from ..utils.paths import check_output_folder
-from .checkpoint import (check_resumed_config, latest_checkpoint, load_checkpoint,
+from .checkpoint import (check_resumed_config, latest_checkpoint, load_checkpoint, read_state,
                          save_checkpoint)
 from .config import TrainConfig
 from .health import NonFiniteWatch
@@ -368,6 +368,10 @@ class Trainer(StepRunner):
         self.loader = objective.make_loader(train_data, loader, shuffle=True)
         self.eval_loader = (objective.make_loader(eval_data, loader, shuffle=False)
                             if eval_data is not None else None)
+        ckpt = latest_checkpoint(self.output) if cfg.resume else None
+        if ckpt is not None:  # the data against the checkpoint's before the weights load (the
+            # position is set again with the rest of the state: _resume)
+            self.loader.load_state_dict(read_state(ckpt, required=("step", "data"))["data"])
         per_epoch = max(1, len(self.loader) // cfg.grad_accum)
         self.total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * per_epoch))
         n_docs = getattr(train_data, "num_docs", None) or len(train_data)

@@ -211,3 +211,18 @@ def test_export_files_are_the_exact_names_an_export_writes():
                  "modelx.safetensors", "model-00001-of-00002.safetensors.bak", "notes.txt",
                  "xmodel.safetensors", "model-00001-of-000002.safetensors", "config.json~"):
         assert not _is_export_file(name), name
+
+
+def test_a_user_model_folder_of_a_legacy_name_beside_an_output_stays(tiny_ckpt, tmp_path):  # noqa: F811
+    """`.OUT.old-2024` holding a config, weights and notes of the user's, beside an existing
+    OUT: without a journal nothing proves an export left it, so --overwrite leaves it whole."""
+    out = tmp_path / "out"
+    export_merged(tiny_ckpt, None, out, log=quiet)
+    folder = user_folder(tmp_path / ".out.old-2024", "notes")
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"the user's weights")
+    before = tree(folder)
+    notes = []
+    export_merged(tiny_ckpt, None, out, overwrite=True, log=notes.append)
+    assert tree(folder) == before
+    assert any(".out.old-2024" in n for n in notes), notes

@@ -492,8 +492,9 @@ def recover_publish(out: Path, log=print) -> None:
 
     Only what leantune provably made is touched: the folders at the stage names
     (`_stage_names`) while the export's journal is there, and the `.OUT.tmp-PID` / `.OUT.old-PID`
-    folders of leantune <= 0.3 (and stage folders without a journal) whose contents are exactly
-    an export's (`_only_export_files`, `_holds_an_export`). A link at a stage name is removed
+    folders of leantune <= 0.3 (and stage folders without a journal): a tmp one whose contents
+    are only an export's files (`_only_export_files`) is deleted, an old one holding an export
+    (`_holds_an_export`) is renamed back where `out` is missing, and left where it is not. A link at a stage name is removed
     (never what it names); an empty folder there is removed (nothing in it to lose); anything
     else, a user's folder of a like name, is left as it is, named in one line to `log`."""
     tmp, old = _stage_names(out)
@@ -513,7 +514,9 @@ def recover_publish(out: Path, log=print) -> None:
             if path.exists() or path.is_symlink():
                 left.append(path)
             continue
-        if kind == "old" and (ours or _holds_an_export(path)):
+        # (a folder of leantune <= 0.3, unjournaled, only goes back where `out` is missing:
+        # a rename that loses nothing; beside an `out`, a user's folder of a like name stays)
+        if kind == "old" and (ours or (_holds_an_export(path) and not out.exists())):
             if not _restore(path, out):
                 left.append(path)
         elif kind == "tmp" and (ours or _only_export_files(path)):

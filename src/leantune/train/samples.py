@@ -18,9 +18,14 @@ MAX_PROMPTS = 4
 
 
 class SampleWriter:
-    """Reads and tokenizes the prompts at once (a bad file fails before the model loads)."""
+    """Reads and tokenizes the prompts at once (a bad file fails before the model loads). With
+    the model's config, a prompt that leaves no room in its context is refused then too, and
+    one that leaves less than --sample-max-new-tokens is said once (its samples stop at the
+    context)."""
 
-    def __init__(self, path: str, tokenizer, output: Path, max_new_tokens: int):
+    def __init__(self, path: str, tokenizer, output: Path, max_new_tokens: int,
+                 model_config=None, log=print):
+        from ..generate.context import PromptTooLong, fit_to_context
         from ..generate.prompts import prompt_ids, read_prompt_file
 
         if tokenizer is None:
@@ -31,6 +36,20 @@ class SampleWriter:
         self.tokenizer = tokenizer
         self.path = Path(output) / SAMPLES
         self.max_new_tokens = max_new_tokens
+        if model_config is not None:
+            notes = []
+            try:
+                fit_to_context(self.ids, [where for _, _, where in rows], max_new_tokens,
+                               model_config, log=notes.append)
+            except PromptTooLong as e:
+                raise LeantuneError(
+                    f"--sample-prompts {path}: a prompt of {e.tokens:,} tokens{e.how} leaves no "
+                    f"room in the model's {e.context:,}-token context; shorten it or leave it "
+                    "out") from None
+            if notes:  # (fit_to_context's note, in train's words)
+                said = notes[0].split("note: ", 1)[-1]
+                log("note: --sample-prompts: "
+                    + said.replace("--max-new-tokens", "--sample-max-new-tokens"))
 
     def write(self, model, step: int) -> str:
         """Complete the prompts with `model` (its mode is restored) and append the rows;
@@ -39,7 +58,7 @@ class SampleWriter:
         from ..utils.io import open_append
 
         done = generate(model, self.tokenizer, self.ids, max_new_tokens=self.max_new_tokens,
-                        cuda_graphs=False)
+                        cuda_graphs=False, log=lambda _: None)  # (the cap: said at set-up)
         with open_append(self.path) as f:  # (a link there is refused, never followed)
             for prompt, g in zip(self.prompts, done):
                 f.write(json.dumps({"step": step, "prompt": prompt, "completion": g.text}) + "\n")

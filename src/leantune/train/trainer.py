@@ -156,10 +156,12 @@ class Trainer(StepRunner):
         self.tokenizer = (tokenizer if tokenizer is not None or train_data is not None
                           else load_tokenizer(model_dir))
         self.objective = objective_for(cfg, self.log)
+        model_config = (model.config if model is not None
+                        else ModelConfig.from_file(model_dir / "config.json"))
         self.samples = (SampleWriter(cfg.sample_prompts, self.tokenizer, self.output,
-                                     cfg.sample_max_new_tokens) if cfg.sample_prompts else None)
-        vocab = (model.config if model is not None
-                 else ModelConfig.from_file(model_dir / "config.json")).vocab_size
+                                     cfg.sample_max_new_tokens, model_config, self.log)
+                        if cfg.sample_prompts else None)
+        vocab = model_config.vocab_size
         self._setup_data(train_data, eval_data, vocab)
         weights, self.prequantized = None, False
         if model is None:

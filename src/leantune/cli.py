@@ -637,7 +637,11 @@ def main(argv: list[str] | None = None) -> int:
             return e.exit_code
         except KeyboardInterrupt as e:  # before a run started, or in an export: nothing written
             return _interrupted(e)
-        except RecursionError:  # a file read elsewhere than the readers that name it
+        except RecursionError as e:  # a file read elsewhere than the readers that name it
+            if signals.received():
+                return _interrupted(signals.received())
+            if not _in_a_parser(e):  # (a bug, or a user's reward function: its traceback)
+                raise
             if env_rank() == 0:
                 print("leantune: error: an input file nests its structure (JSON, YAML) too deeply "
                       "to read; check the files the command was given", file=sys.stderr)
@@ -654,6 +658,16 @@ def main(argv: list[str] | None = None) -> int:
                 except OSError:
                     pass  # stderr is gone too: the exit code says it
             return 2
+
+
+def _in_a_parser(e: BaseException) -> bool:
+    """Whether a RecursionError was raised inside the json or yaml packages (a file nested too
+    deeply), not elsewhere."""
+    tb, last = e.__traceback__, None
+    while tb is not None:
+        last, tb = tb.tb_frame.f_code.co_filename, tb.tb_next
+    parts = Path(last).parts if last else ()
+    return any(p in ("json", "yaml") for p in parts[-3:-1])
 
 
 # what a disk fault mid-command leaves: every write is a temporary file renamed into place

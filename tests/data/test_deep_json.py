@@ -35,3 +35,22 @@ def test_deep_json_file(tmp_path):
     path.write_text('[{"text": ' + DEEP + "}]")
     with pytest.raises(LeantuneError, match=r"d\.json: JSON nested too deeply"):
         read_rows(path)
+
+
+def test_the_cli_says_one_line_for_a_deep_file_it_reads_elsewhere(tmp_path, capsys):
+    """`plot` reads metrics.jsonl without the readers above: the CLI's fallback line, exit 2;
+    a RecursionError outside the json / yaml parsers keeps its traceback."""
+    from leantune.cli import _in_a_parser, main
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": ' + DEEP + "}\n")
+    assert main(["plot", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("leantune: error: an input file nests its structure") and \
+        "Traceback" not in err and err.count("\n") == 1, err
+
+    def loop(n):
+        return loop(n + 1)
+
+    with pytest.raises(RecursionError) as e:
+        loop(0)
+    assert not _in_a_parser(e.value)

@@ -369,9 +369,11 @@ class StepRunner:
         result = "model" if self.cfg.full else "adapter"
         bad = self._nonfinite_weight() if first <= 1 else None
         if bad is not None:  # a damaged checkpoint, not the learning rate
+            where = (f"--model {self.cfg.model}" if self.cfg.model else "the model") + (
+                f" (or --adapter {self.cfg.adapter}, folded into it)" if self.cfg.adapter else "")
             return LeantuneError(f"{steps}: {what}: the model's weight {bad} holds NaN or "
-                                 f"infinite values before training changed it; --model "
-                                 f"{self.cfg.model} is damaged: download or export it again")
+                                 f"infinite values before training changed it; {where} is "
+                                 "damaged: download or export it again")
         return LeantuneError(f"{steps}: {what}: training diverged and stopped, and no final "
                              f"{result} was written ({kept}); {diverged_advice(self.cfg)}, in "
                              "a new run (--overwrite)")
@@ -382,8 +384,13 @@ class StepRunner:
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 t = p.to_local() if hasattr(p, "to_local") else p  # (FSDP2: this shard)
-                if not p.requires_grad and t.is_floating_point() and not bool(t.isfinite().all()):
-                    return name
+                if p.requires_grad or not t.is_floating_point() or not t.numel():
+                    continue
+                try:  # (a sum: NaN / inf carry through it, and no copy of the weight is made)
+                    if not bool(t.sum(dtype=torch.float32).isfinite()):
+                        return name
+                except RuntimeError:  # (a dtype without a sum here: not checked)
+                    continue
         return None
 
     def _already_finished(self) -> TrainResult:

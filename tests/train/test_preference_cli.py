@@ -201,7 +201,19 @@ def test_precompute_reference_resume_and_changed_data(capsys, tmp_path):
                     "--max-steps", "4", "--precompute-reference", "--resume")
     # (the checkpoint's data digest sees the change first; the reference file's fingerprint
     # would refuse it too)
-    assert "cannot resume: the training data changed since the checkpoint" in msg
+    assert "cannot resume: the tokenized training data (its rows, or the tokenizer or chat " \
+           "template) changed since the checkpoint (data_digest" in msg
+    # a reference file of another fingerprint (what another model or data would leave): its
+    # own refusal
+    from leantune.train.objectives.preference import load_reference, save_reference
+
+    ref = pre / "reference_logps.safetensors"
+    tables, _ = load_reference(ref)
+    save_reference(ref, tables, "another")
+    msg = cli_error(capsys, "train", *common, "--data", PAIRS, "--output", pre,
+                    "--max-steps", "4", "--precompute-reference", "--resume")
+    assert "reference_logps.safetensors: these reference log-probs were computed for other " \
+           "data or another model" in msg
 
 
 # ---- full fine-tuning -----------------------------------------------------------------------

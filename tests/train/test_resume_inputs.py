@@ -9,6 +9,7 @@ import json
 import shutil
 
 import pytest
+import torch
 from helpers import alpaca_file, alpaca_rows, one_torch_thread, tiny_ckpt, write_jsonl  # noqa: F401
 from safetensors.torch import load_file, save_file
 
@@ -53,7 +54,9 @@ def test_resume_on_rows_edited_in_place_is_refused(tiny_ckpt, tmp_path):  # noqa
     edited[3]["output"] = text[:-1] + ("a" if text[-1] != "a" else "b")
     write_jsonl(data, edited)
     logs = []
-    with pytest.raises(LeantuneError, match="the training data changed since the checkpoint"):
+    with pytest.raises(LeantuneError, match=r"training data \(its rows, or the tokenizer or "
+                                            r"chat template\) changed since the checkpoint "
+                                            r"\(data_digest"):
         Trainer(_cfg(tiny_ckpt, data, tmp_path / "run", max_steps=2, resume=True),
                 log=logs.append)
     assert not any("trainable parameters" in line for line in logs), logs  # before the weights
@@ -73,6 +76,11 @@ def test_content_digest_sees_content_not_where_it_was_read():
     assert a != content_digest([Row([1, 2, 4], True, "f:1")])
     assert a != content_digest([Row([1, 2, 3], False, "f:1")])
     assert content_digest([([1, 2], [3])]) != content_digest([([1], [2, 3])])
+    assert content_digest([([2**70, 1],)]) != content_digest([([2**70, 2],)])  # past int64
+    big = torch.arange(5000)
+    edited = big.clone()
+    edited[2500] = -1
+    assert content_digest([(big,)]) != content_digest([(edited,)])  # (str() abbreviates)
 
 
 def test_metrics_write_nan_as_null(tmp_path):

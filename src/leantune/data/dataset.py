@@ -256,7 +256,7 @@ class PackedLoader:
         self.max_seq_len = _check_max_seq_len(max_seq_len)
         self.lengths = [len(ids) for ids, _ in self.docs]
         self._num_tokens = sum(self.lengths)  # for the fingerprint, taken every training step
-        self._digest: str | None = None  # data_digest, made at the first checkpoint
+        self._digest: str | None = None  # data_digest, made once (the trainer: at set-up)
         longest = max(self.lengths)
         if longest > self.max_seq_len:
             raise ValueError(f"a document has {longest} tokens, more than max_seq_len "
@@ -373,7 +373,8 @@ class PackedLoader:
             if key in state and state[key] != value:
                 if key in DATA_KEYS:
                     raise LeantuneError(
-                        f"cannot resume: the training data changed since the checkpoint ({key} "
+                        f"cannot resume: the tokenized training data (its rows, or the "
+                        f"tokenizer or chat template) changed since the checkpoint ({key} "
                         f"{state[key]!r}, now {value!r}); resume with the same data, or start "
                         "a new run in another --output")
                 raise LeantuneError(

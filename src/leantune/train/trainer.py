@@ -374,6 +374,8 @@ class Trainer(StepRunner):
         if ckpt is not None:  # the data against the checkpoint's before the weights load (the
             # position is set again with the rest of the state: _resume)
             self.loader.load_state_dict(read_state(ckpt, required=("step", "data"))["data"])
+        else:  # (the data's digest made now, not inside the first timed step)
+            self.loader.state_dict()
         per_epoch = max(1, len(self.loader) // cfg.grad_accum)
         self.total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * per_epoch))
         n_docs = getattr(train_data, "num_docs", None) or len(train_data)

@@ -19,11 +19,13 @@ def content_digest(records: Iterable, skip: tuple[str, ...] = ("location",)) -> 
         values = ([getattr(record, f.name) for f in fields(record) if f.name not in skip]
                   if is_dataclass(record) else record)
         for v in values:
+            if hasattr(v, "tolist"):  # a tensor or array: its values (str() would abbreviate)
+                v = v.tolist()
             if isinstance(v, list) and all(isinstance(x, int) for x in v[:1]):
                 try:
                     h.update(b"i%d:" % len(v) + array("q", v).tobytes())
                     continue
-                except TypeError:  # (a list that is not all ints after its first)
+                except (TypeError, OverflowError):  # (not all ints after the first, or huge)
                     pass
             h.update(b"j" + json.dumps(v, sort_keys=True, default=str).encode())
         h.update(b"|")

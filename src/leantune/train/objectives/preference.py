@@ -178,7 +178,8 @@ class PreferenceLoader:
             if key in state and state[key] != value:
                 if key in DATA_KEYS:
                     raise LeantuneError(
-                        f"cannot resume: the training data changed since the checkpoint ({key} "
+                        f"cannot resume: the tokenized training data (its rows, or the "
+                        f"tokenizer or chat template) changed since the checkpoint ({key} "
                         f"{state[key]!r}, now {value!r}); resume with the same data, or start "
                         "a new run in another --output")
                 raise LeantuneError(

@@ -99,7 +99,9 @@ def test_inputs_inside_what_the_output_writes_are_refused(tmp_path, monkeypatch,
         return TrainConfig(**{"model": "m", "data": "d.jsonl", "output": "run", **kw})
 
     cfg = config(**{flag: given})
-    with pytest.raises(LeantuneError, match=f"--{flag} .* is the output folder run or inside"):
+    what = ("is the output folder" if where == "." else
+            f"lies in the output folder's {where.split('/')[0]}/, which the run writes")
+    with pytest.raises(LeantuneError, match=f"--{flag} .* {what} \\(run\\)"):
         cfg.validate()
     # beside the output, or the output inside the input folder: fine here
     (tmp_path / "sft").mkdir()

@@ -245,11 +245,13 @@ class TrainConfig:
             if path is None or not path.exists():  # a hub name, or missing (checked elsewhere)
                 continue
             path = path.resolve()
-            if path == out or any(path == d or d in path.parents for d in owned[1:]):
+            inside = next((d for d in owned[1:] if path == d or d in path.parents), None)
+            if path == out or inside is not None:
+                where = ("is the output folder" if path == out else
+                         f"lies in the output folder's {inside.name}/, which the run writes")
                 raise LeantuneError(
-                    f"{flag} {value} is the output folder {self.output} or inside what the run "
-                    "writes there: the run would replace what it reads; copy it elsewhere or "
-                    "pick another --output")
+                    f"{flag} {value} {where} ({self.output}): the run would replace what it "
+                    "reads; copy it elsewhere or pick another --output")
 
     def engine_options(self) -> EngineOptions:
         """The engine options this config sets (checked: a bad value is a one-line error)."""

@@ -231,8 +231,9 @@ class TrainConfig:
         return getattr(self, name)
 
     def _check_inputs_outside_output(self) -> None:
-        """Refuse a local --adapter or --model that is the output folder, or inside the
-        checkpoints/ or merged/ folder it writes: --overwrite sets a run's files aside and deletes
+        """Refuse a local --adapter that is the output folder, or an --adapter or --model inside
+        the checkpoints/ or merged/ folder it writes (a --model that is the output folder:
+        check_output_folder's line): --overwrite sets a run's files aside and deletes
         them once the new run has a checkpoint, checkpoints rotate, and a --resume would read the
         new run's files as the old input (an adapter folded in twice, a wrong reference)."""
         from .checkpoint import CKPT_DIR
@@ -246,7 +247,8 @@ class TrainConfig:
                 continue
             path = path.resolve()
             inside = next((d for d in owned[1:] if path == d or d in path.parents), None)
-            if path == out or inside is not None:
+            # (a --model that is the output folder: check_output_folder's own line)
+            if (path == out and flag == "--adapter") or inside is not None:
                 where = ("is the output folder" if path == out else
                          f"lies in the output folder's {inside.name}/, which the run writes")
                 raise LeantuneError(

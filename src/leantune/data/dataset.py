@@ -26,6 +26,23 @@ from leantune.errors import LeantuneError
 # a loader fingerprint's keys that describe the data itself (the rest: batching settings)
 DATA_KEYS = ("num_docs", "num_tokens", "num_items", "data_digest")
 
+
+def check_fingerprint(mine: dict, state: dict, settings: str) -> None:
+    """Refuse a resume whose loader fingerprint `mine` differs from the checkpoint's `state`
+    (a key the checkpoint lacks, from an older leantune, is not compared): the data itself
+    (DATA_KEYS), or the batching `settings` the message names."""
+    for key, value in mine.items():
+        if key in state and state[key] != value:
+            if key in DATA_KEYS:
+                raise LeantuneError(
+                    f"cannot resume: the tokenized training data (its rows, or the tokenizer or "
+                    f"chat template) changed since the checkpoint ({key} {state[key]!r}, now "
+                    f"{value!r}); resume with the same data, or start a new run in another "
+                    "--output")
+            raise LeantuneError(
+                f"cannot resume the data loader: the checkpoint has {key}={state[key]!r} but this "
+                f"run has {key}={value!r}; resume with the same data, {settings}")
+
 Document = tuple[list[int], list[int]]  # (token ids [L], shifted labels [L])
 
 
@@ -368,20 +385,8 @@ class PackedLoader:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the position; refuse if the data or batching settings changed since."""
-        mine = self._fingerprint()
-        for key, value in mine.items():
-            if key in state and state[key] != value:
-                if key in DATA_KEYS:
-                    raise LeantuneError(
-                        f"cannot resume: the tokenized training data (its rows, or the "
-                        f"tokenizer or chat template) changed since the checkpoint ({key} "
-                        f"{state[key]!r}, now {value!r}); resume with the same data, or start "
-                        "a new run in another --output")
-                raise LeantuneError(
-                    f"cannot resume the data loader: the checkpoint has {key}={state[key]!r} but "
-                    f"this run has {key}={value!r}; resume with the same data, --batch-size "
-                    "(under torchrun: the same --batch-size times processes), --max-seq-len and "
-                    "--seed")
+        check_fingerprint(self._fingerprint(), state, "--batch-size (under torchrun: the same "
+                          "--batch-size times processes), --max-seq-len and --seed")
         epoch, index = int(state["epoch"]), int(state["batch_index"])
         if epoch < 0 or not 0 <= index <= len(self):
             raise LeantuneError(

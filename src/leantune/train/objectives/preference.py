@@ -50,7 +50,7 @@ import torch
 from ...errors import LeantuneError
 from ...kernels import segment_sum
 from ..losses import preference as L
-from ...data.dataset import DATA_KEYS
+from ...data.dataset import check_fingerprint
 from ...data.files import format_location
 from .base import MicroLoss, Objective
 
@@ -174,18 +174,7 @@ class PreferenceLoader:
         return {"epoch": self.epoch, "batch_index": self.batch_index, **self._fingerprint()}
 
     def load_state_dict(self, state: dict) -> None:
-        for key, value in self._fingerprint().items():
-            if key in state and state[key] != value:
-                if key in DATA_KEYS:
-                    raise LeantuneError(
-                        f"cannot resume: the tokenized training data (its rows, or the "
-                        f"tokenizer or chat template) changed since the checkpoint ({key} "
-                        f"{state[key]!r}, now {value!r}); resume with the same data, or start "
-                        "a new run in another --output")
-                raise LeantuneError(
-                    f"cannot resume the data loader: the checkpoint has {key}={state[key]!r} but "
-                    f"this run has {key}={value!r}; resume with the same data, --batch-size, "
-                    "--max-seq-len and --seed")
+        check_fingerprint(self._fingerprint(), state, "--batch-size, --max-seq-len and --seed")
         epoch, index = int(state["epoch"]), int(state["batch_index"])
         if epoch < 0 or not 0 <= index <= len(self):
             raise LeantuneError(f"cannot resume the data loader: position epoch={epoch}, "

@@ -240,13 +240,13 @@ class TrainConfig:
         from .merge_at_end import MERGED_DIR
 
         out = Path(self.output).expanduser().resolve()
-        owned = (out, out / CKPT_DIR, out / MERGED_DIR)
+        owned = (out / CKPT_DIR, out / MERGED_DIR)  # what a run writes inside its folder
         for flag, value in (("--adapter", self.adapter), ("--model", self.model)):
             path = Path(value).expanduser() if isinstance(value, (str, os.PathLike)) else None
             if path is None or not path.exists():  # a hub name, or missing (checked elsewhere)
                 continue
             path = path.resolve()
-            inside = next((d for d in owned[1:] if path == d or d in path.parents), None)
+            inside = next((d for d in owned if path == d or d in path.parents), None)
             # (a --model that is the output folder: check_output_folder's own line)
             if (path == out and flag == "--adapter") or inside is not None:
                 where = ("is the output folder" if path == out else

@@ -53,7 +53,7 @@ from ..model.weight_map import read_piece_into
 from ..train.checkpoint import latest_checkpoint
 from ..utils import signals
 from ..utils.io import (atomic_write_json, atomic_write_text, fsync_dir, refuse_link_at, remove,
-                        replace)
+                        replace, temp_of)
 from ..utils.lock import lock_beside
 from ..utils.paths import check_output_folder
 from .full import TOKENIZER_FILES, copy_side_files, set_config_dtype
@@ -389,8 +389,8 @@ def _is_export_file(name: str) -> bool:
 
 def _is_export_temp(name: str) -> bool:
     """An unfinished write of an export file (utils/io.atomic_path's `.NAME.tmp-PID-XXXXXXXX`)."""
-    m = re.fullmatch(r"\.(.+)\.tmp-\d+-[0-9a-f]{8}", name)
-    return m is not None and _is_export_file(m[1])
+    of = temp_of(name)
+    return of is not None and _is_export_file(of)
 
 
 def _stage_names(out: Path) -> tuple[Path, Path]:
@@ -494,9 +494,10 @@ def recover_publish(out: Path, log=print) -> None:
     (`_stage_names`) while the export's journal is there, and the `.OUT.tmp-PID` / `.OUT.old-PID`
     folders of leantune <= 0.3 (and stage folders without a journal): a tmp one whose contents
     are only an export's files (`_only_export_files`) is deleted, an old one holding an export
-    (`_holds_an_export`) is renamed back where `out` is missing, and left where it is not. A link at a stage name is removed
-    (never what it names); an empty folder there is removed (nothing in it to lose); anything
-    else, a user's folder of a like name, is left as it is, named in one line to `log`."""
+    (`_holds_an_export`) is renamed back where `out` is missing, and left where it is not. A
+    link at a stage name is removed (never what it names); an empty folder there is removed
+    (nothing in it to lose); anything else, a user's folder of a like name, is left as it is,
+    named in one line to `log`."""
     tmp, old = _stage_names(out)
     for stage in (old, tmp):
         if stage.is_symlink():  # not a folder an export made: the link goes, never what it names
@@ -527,10 +528,9 @@ def recover_publish(out: Path, log=print) -> None:
             except OSError:
                 left.append(path)
     journal = _journal(out)
-    unfinished = re.compile(rf"{re.escape('.' + journal.name)}\.tmp-\d+-[0-9a-f]{{8}}")
     for path in out.parent.glob(f"{glob_escape('.' + journal.name)}.tmp-*"):
         try:  # an unfinished write of the journal (its text so far): the stages came after it
-            if (unfinished.fullmatch(path.name) and path.is_file() and not path.is_symlink()
+            if (temp_of(path.name) == journal.name and path.is_file() and not path.is_symlink()
                     and _journal_text(out).encode().startswith(path.read_bytes())):
                 remove(path)
         except OSError:

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from ..errors import LeantuneError
 from ..export.full import TOKENIZER_FILES
+from ..export.shards import INDEX as FULL_INDEX
 from ..utils import signals
 from ..utils.io import atomic_write_json, fsync_dir, remove, replace
 from ..utils.lock import lock_run
@@ -46,7 +47,6 @@ from .plot import PLOT_NAME
 from .reporting import TENSORBOARD_DIR
 from .samples import SAMPLES
 
-FULL_INDEX = "model.safetensors.index.json"
 RUN_CONFIG = "run_config.json"  # the run's settings (Trainer.run_settings)
 FINAL_JOURNAL = ".leantune-final-save.json"  # there while the final save is incomplete
 RUN_MARKERS = ("adapter_config.json", "adapter_model.safetensors", "metrics.jsonl", CKPT_DIR,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import uuid
 from pathlib import Path
@@ -96,10 +97,21 @@ def check_copy_sources(src: str | os.PathLike, names) -> list[Path]:
     return found
 
 
+def temp_name(name: str) -> str:
+    """The hidden name a temporary of `name` takes beside it: `.NAME.tmp-PID-XXXXXXXX`."""
+    return f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def temp_of(name: str) -> str | None:
+    """The name whose temporary (`temp_name`) `name` is, or None where it is not one."""
+    m = re.fullmatch(r"\.(.+)\.tmp-\d+-[0-9a-f]{8}", name)
+    return m[1] if m else None
+
+
 def _create_tmp(path: Path) -> Path:
     """A new, empty, regular file beside `path` (never an existing file or link)."""
     while True:
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        tmp = path.with_name(temp_name(path.name))
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
         except FileExistsError:
@@ -261,7 +273,7 @@ def staged_dir(out: str | os.PathLike, overwrite: bool = False):
     out = Path(out)
     check_output_dir(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp = out.with_name(temp_name(out.name))
     tmp.mkdir()  # the umask's permissions, as the output folder should have
     try:
         yield tmp

@@ -14,16 +14,46 @@ has static shapes and reads nothing back to the host: CUDA graphs can capture an
 Every row has S slots: the batch's longest prompt and the most new tokens. Before the buffers
 are allocated, a cache larger than the device's free memory (GPU: free plus what torch holds
 unused; CPU: MemAvailable) is refused in one line (`check_fits`) rather than failing in the
-allocator with a traceback.
+allocator with a traceback. That line names the flags that make the cache smaller: generate's,
+or those of a caller that decodes under `fit_hint` (GRPO's rollouts: its train flags).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import NamedTuple
 
 import torch
 
 from ..errors import LeantuneError
 from ..model.attention import AttentionMeta
 from ..model.config import ModelConfig
+
+
+class FitHint(NamedTuple):
+    """How a cache too large for free memory is said (`check_fits`): what its rows are, and
+    what to do, naming the flags of the command that asked for it."""
+
+    rows: str
+    fix: str
+
+
+GENERATE_FIT = FitHint("prompt", "give fewer prompts at a time (--batch-size), shorter prompts "
+                                 "or fewer new tokens (--max-new-tokens)")
+_HINT: ContextVar[FitHint] = ContextVar("kv_cache_fit_hint", default=GENERATE_FIT)
+
+
+@contextmanager
+def fit_hint(hint: FitHint) -> Iterator[None]:
+    """The caches made inside (decode's, its shared prefill's too) are refused in `hint`'s
+    words: a caller whose flags are not generate's (GRPO) names its own."""
+    token = _HINT.set(hint)
+    try:
+        yield
+    finally:
+        _HINT.reset(token)
 
 
 class KVCache:
@@ -75,20 +105,21 @@ class KVCache:
 
 
 def check_fits(cfg: ModelConfig, batch: int, slots: int, dtype: torch.dtype,
-               device: torch.device) -> None:
+               device: torch.device, hint: FitHint | None = None) -> None:
     """A one-line error when the buffers of a KVCache(cfg, batch, slots) cannot fit in the
-    device's free memory (nothing said where that is unknown)."""
+    device's free memory (nothing said where that is unknown), naming `hint`'s flags (default:
+    the `fit_hint` in force, else generate's)."""
     from ..engine.planner import kv_cache_bytes
 
     need = kv_cache_bytes(cfg, batch, slots, dtype.itemsize)
     free = free_bytes(device)
     if free is None or need <= free:
         return
+    hint = hint or _HINT.get()
     raise LeantuneError(
-        f"generating {batch} prompt{'s' if batch > 1 else ''} together needs a KV cache of "
+        f"generating {batch} {hint.rows}{'s' if batch > 1 else ''} together needs a KV cache of "
         f"{_gib(need)} ({slots:,} positions a row: the longest prompt and its completion), and "
-        f"{device} has {_gib(free)} free; give fewer prompts at a time (--batch-size), shorter "
-        "prompts or fewer new tokens (--max-new-tokens)")
+        f"{device} has {_gib(free)} free; {hint.fix}")
 
 
 def free_bytes(device: torch.device) -> int | None:

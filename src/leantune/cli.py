@@ -304,6 +304,7 @@ def cmd_generate(args) -> int:
     import json
 
     from .generate import generate
+    from .generate.context import fit_to_context
     from .generate.load import locate
     from .generate.prompts import prompt_ids, read_prompt_file, typed_prompt
     from .utils.io import atomic_path
@@ -335,6 +336,10 @@ def cmd_generate(args) -> int:
         rows = [(rows[0][0], typed_prompt(args.prompt, src.prompt_format(asked, log=_note)),
                  "--prompt")]
     ids = [prompt_ids(tokenizer, prompt, where) for _, prompt, where in rows]  # before weights
+    # a prompt past the model's context is refused before the weights load too (config.json
+    # has the context); a capped completion's note is generate's, once
+    fit_to_context(ids, [p.where for p in ids], args.max_new_tokens, src.config(),
+                   log=lambda _: None)
     done = generate(src.load(), tokenizer, ids, batch_size=args.batch_size,
                     cuda_graphs=args.cuda_graphs, log=_note, **kw)
     if out is None and not args.prompts:

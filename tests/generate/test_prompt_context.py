@@ -1,8 +1,9 @@
 """Prompts against the model's context (generate/context.py) and the KV cache against free
 memory (generate/cache.py), on the tiny checkpoint (max_position_embeddings 256): a prompt that
 leaves no room for a new token is one line naming it (file and line, --prompt, a chat template
-that inflates it), one that leaves less than --max-new-tokens gets a capped completion and a
-note, a chat that grows past the context says /reset and goes on; normal prompts unchanged."""
+that inflates it; before the weights load), one that leaves less than --max-new-tokens gets a
+capped completion and a note, a chat that grows past the context says /reset (once) and goes
+on; normal prompts unchanged."""
 
 from __future__ import annotations
 
@@ -60,6 +61,28 @@ def test_a_long_row_of_a_prompts_file_is_one_line_naming_it(capsys, tmp_path, ti
     full = write_jsonl(tmp_path / "full.jsonl", [{"prompt": _near(tok, 0)}])
     assert cli_error(capsys, "generate", "--model", tiny_ckpt, "--prompts", full, *GEN
                      ).startswith(f"{full}:1: the prompt is 256 tokens, and the model's context")
+
+
+def test_a_long_prompt_is_refused_before_the_weights_load(capsys, monkeypatch, tmp_path,  # noqa: F811
+                                                          tiny_ckpt, lm):
+    """The tokenizer and config.json know the prompt's tokens and the context: a prompt past it
+    is the same one line, and the weights are never read."""
+    from leantune.generate.load import Located
+
+    _, tok = lm
+    loaded = []
+    monkeypatch.setattr(Located, "load", lambda self: loaded.append(self) or 1 / 0)
+    huge = "hello " * 300
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hello world"}, {"prompt": huge}])
+    assert cli_error(capsys, "generate", "--model", tiny_ckpt, "--prompts", prompts, *GEN) == (
+        f"{prompts}:2: the prompt is {_count(tok, huge):,} tokens, and the model's context is "
+        "256 tokens (its max_position_embeddings), which must hold the prompt and its "
+        "completion; shorten the prompt to at most 246 tokens to leave room for "
+        "--max-new-tokens 10 (up to 255, its completion stops at the context)")
+    assert cli_error(capsys, "generate", "--model", tiny_ckpt, "--prompt", huge,
+                     "--no-chat-template", *GEN).startswith(
+        f"--prompt: the prompt is {_count(tok, huge):,} tokens, and the model's context is 256")
+    assert loaded == []
 
 
 def test_a_long_prompt_flag_is_one_line(capsys, tiny_ckpt, lm):  # noqa: F811
@@ -230,9 +253,9 @@ def test_a_chat_past_the_context_says_reset_and_goes_on(monkeypatch, lm):
         "together; it was left out: /reset starts a new conversation, or send a shorter "
         "message)")
     assert "(a new conversation)" in lines
-    # a message left out joins no conversation: the next turn does not hold it
-    assert asked[0] == [huge] and asked[1] == [long] and asked[-1] == ["hello world"]
-    assert len(asked) == 4 and asked[2][0] == long and asked[2][2] == long
+    # a message left out joins no conversation: the next turn does not hold it (and one that
+    # leaves no room is refused before generate runs)
+    assert asked == [[long], ["hello world"]]
 
 
 def test_a_chat_reply_cut_at_the_context_says_so(monkeypatch, lm):
@@ -247,3 +270,34 @@ def test_a_chat_reply_cut_at_the_context_says_so(monkeypatch, lm):
     chat_module.chat(model, tok, read=_reader(["hello"]), out=out, max_new_tokens=10)
     assert ("(the reply reached the end of the model's context and was cut; /reset starts a new "
             "conversation)") in out.getvalue()
+
+
+def test_a_chat_reply_cut_at_the_context_is_said_once(capsys, monkeypatch, lm):
+    """A turn that leaves fewer than --max-new-tokens of the context: the reply stops there and
+    one line after it says so with what to do (/reset); no note of generate's besides it."""
+    import leantune.generate.chat as chat_module
+
+    model, tok = lm
+    replies = []
+    real = chat_module.generate
+
+    def recording(*a, **kw):
+        replies.extend(real(*a, **kw))
+        return replies[-1:]
+
+    monkeypatch.setattr(chat_module, "generate", recording)
+    n = next(n for n in range(80, 130)
+             if 0 < CONTEXT - len(prompt_ids(tok, [{"role": "user",
+                                                     "content": " ".join(["hello"] * n)}])) < 10)
+    message = " ".join(["hello"] * n)
+    room = CONTEXT - len(prompt_ids(tok, [{"role": "user", "content": message}]))
+    notes, out = [], io.StringIO()
+    chat_module.chat(model, tok, read=_reader([message]), out=out, max_new_tokens=10,
+                     eos_token_ids=[], log=notes.append)
+    said = out.getvalue()
+    assert notes == [] and capsys.readouterr().err == ""
+    assert said.count("was cut") == 1 and said.endswith(
+        "(the reply reached the end of the model's context and was cut; /reset starts a new "
+        "conversation)\n\n")
+    # the reply took what the context left, no more
+    assert [(len(r.token_ids), r.stopped) for r in replies] == [(room, "length")]

@@ -10,7 +10,8 @@ own format, prompts.trained_prompt_format) is asked in that format instead; thos
 no turns, so each line is asked on its own (no history).
 
 The conversation shares the model's context with the reply (generate/context.py): a reply that
-would run past it stops there, and a message that leaves no room for one is left out of the
+would run past it stops there, said once, in a line after it (/reset to start over; not also
+generate's note before it), and a message that leaves no room for one is left out of the
 conversation with a line that says so (/reset to start over, or a shorter message), and the chat
 goes on.
 """
@@ -20,8 +21,8 @@ from __future__ import annotations
 import sys
 
 from ..errors import LeantuneError
-from .context import PromptTooLong
-from .prompts import DESCRIBE, typed_prompt
+from .context import PromptTooLong, fit_to_context
+from .prompts import DESCRIBE, prompt_ids, typed_prompt
 from .text import MAX_NEW_TOKENS, generate
 
 HELP = "/reset starts over, /exit (or Ctrl-D) ends"
@@ -99,9 +100,11 @@ def chat(model, tokenizer, *, system: str | None = None, read=None, out=None,
             continue
         messages.append({"role": "user", "content": line})
         prompt = messages if turns else typed_prompt(line, prompt_format)
+        most = generate_kw.get("max_new_tokens", MAX_NEW_TOKENS)
         try:
+            room = _room(model, tokenizer, prompt, most)
             reply = generate(model, tokenizer, [prompt], streamer=TextStreamer(tokenizer, out),
-                             **generate_kw)[0]
+                             **{**generate_kw, "max_new_tokens": room})[0]
         except KeyboardInterrupt:
             out.write("\n")
             raise
@@ -113,11 +116,21 @@ def chat(model, tokenizer, *, system: str | None = None, read=None, out=None,
         if not turns:
             messages = list(start)
         if reply.stopped == "length":  # (short of max_new_tokens: at the model's context)
-            most = generate_kw.get("max_new_tokens", MAX_NEW_TOKENS)
             out.write("(the reply reached --max-new-tokens and was cut)\n"
                       if len(reply.token_ids) >= most else
                       "(the reply reached the end of the model's context and was cut; /reset "
                       "starts a new conversation)\n")
+
+
+def _room(model, tokenizer, prompt, most: int) -> int:
+    """The most new tokens of the reply to `prompt`: `most` (--max-new-tokens), or fewer where
+    the model's context leaves fewer (PromptTooLong where it leaves none). generate, asked for
+    no more than that, says no note of its own: a reply cut at the context is said once, after
+    it, with what to do."""
+    if not (isinstance(most, int) and most >= 1):
+        return most  # (generate refuses it in one line)
+    ids = prompt_ids(tokenizer, prompt, "prompt 1")
+    return fit_to_context([ids], [None], most, model.config, log=lambda _: None)[0]
 
 
 def _too_long(e: PromptTooLong, fresh: bool, system: bool) -> str:

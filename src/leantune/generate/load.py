@@ -1,8 +1,8 @@
 """A model to generate with, from the command line's --model and --adapter: the base checkpoint,
 the adapter attached unmerged (a PEFT adapter folder, a run folder or one training checkpoint),
 and the tokenizer. `locate` checks everything and loads the tokenizer (so prompts can be checked
-too) before `Located.load` reads the weights; it also reads the prompt format the run was
-trained with (prompts.trained_prompt_format)."""
+too, against the context of `Located.config`) before `Located.load` reads the weights; it also
+reads the prompt format the run was trained with (prompts.trained_prompt_format)."""
 
 from __future__ import annotations
 
@@ -72,6 +72,13 @@ class Located:
             log(f"prompt format: {DESCRIBE[fmt]} ({fmt}), as the run was trained "
                 "(--prompt-format overrides)")
         return fmt
+
+    def config(self):
+        """The base's ModelConfig, from config.json alone: its context is known before the
+        weights load (a prompt too long for it is refused without waiting for them)."""
+        from ..model.config import ModelConfig
+
+        return ModelConfig.from_file(self.folder / "config.json")
 
     def load(self):
         """The model in eval mode, the adapter attached unmerged."""

@@ -24,7 +24,7 @@ def _cfg(model, data, out, **kw):
     base = dict(model=str(model), data=str(data), output=str(out), max_seq_len=64, batch_size=2,
                 lora_r=4, lora_alpha=8.0, device="cpu", dtype="float32", progress=False,
                 max_steps=1, save_every=1)
-    return TrainConfig(**{**base, **kw})
+    return TrainConfig(**{k: v for k, v in {**base, **kw}.items() if v is not None})  # None: unset
 
 
 def test_resume_on_other_base_weights_is_refused(tiny_ckpt, alpaca_file, tmp_path):  # noqa: F811
@@ -92,8 +92,11 @@ def test_metrics_write_nan_as_null(tmp_path):
     assert json.loads(line) == {"step": 1, "reward": None, "loss": 0.5, "x": None}
 
 
+@pytest.mark.parametrize("full", [False, True], ids=["lora", "full"])
 def test_nan_in_the_base_weights_is_named_not_blamed_on_the_lr(
-        tiny_ckpt, alpaca_file, tmp_path):  # noqa: F811
+        tiny_ckpt, alpaca_file, tmp_path, full):  # noqa: F811
+    """LoRA: the weight is frozen, read at the NaN. --full: it trains, and the first update has
+    made every weight NaN by then: it is named from the sums taken before that step."""
     bad = tmp_path / "bad"
     shutil.copytree(tiny_ckpt, bad)
     [weights] = bad.glob("*.safetensors")
@@ -101,6 +104,10 @@ def test_nan_in_the_base_weights_is_named_not_blamed_on_the_lr(
     name = next(n for n in tensors if n.endswith("layers.0.mlp.down_proj.weight"))
     tensors[name][0, 0] = float("nan")
     save_file(tensors, weights)
-    with pytest.raises(LeantuneError, match=r"step 1: .*the model's weight "
-                                            r"model\.layers\.0\.mlp\.down_proj\.weight holds NaN"):
-        Trainer(_cfg(bad, alpaca_file, tmp_path / "run"), log=lambda *a: None).train()
+    with pytest.raises(LeantuneError, match=r"^step 1: .*the model's weight "
+                                            r"model\.layers\.0\.mlp\.down_proj\.weight holds NaN "
+                                            r"or infinite values before training changed it; "
+                                            r"--model .* is damaged"):
+        Trainer(_cfg(bad, alpaca_file, tmp_path / "run",
+                     **({"full": True, "lora_r": None, "lora_alpha": None} if full else {})),
+                log=lambda *a: None).train()

@@ -17,7 +17,8 @@ eval_loss and eval_<metric>. `objective.prepare` runs once before the first step
 
 The last step is always checkpointed, so a finished run can be resumed (nothing to do) or
 extended (a larger --max-steps / --epochs). Ctrl-C and SIGTERM checkpoint and stop; a NaN / inf
-loss stops the run without writing its result.
+loss stops the run without writing its result (at the first step, a weight of the checkpoint
+holding NaN / inf is named instead of the learning rate: `_nonfinite_weight`).
 
 `StepRunner` is the base of train/trainer.py's Trainer, whose set-up gives it: cfg, log, output,
 device, parallel, model (and forward_model: the DDP / FSDP2-wrapped one), params, optimizer,
@@ -218,6 +219,10 @@ class StepRunner:
             batches = (batch for _, _, batch in self.loader.iter_batches())
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
+            # --full: the weights as loaded, summed before the first step changes them
+            # (`_nonfinite_weight`; on the device, not read unless that step diverges)
+            self.first_weight_sums = (self._weight_sums(trainable=True)
+                                      if cfg.full and self.step == 0 else [])
             # tokens/s and the ETA from here: the set-up, the first evaluation and samples
             # above are not training time
             t_start = time.perf_counter()
@@ -379,19 +384,28 @@ class StepRunner:
                              "a new run (--overwrite)")
 
     def _nonfinite_weight(self) -> str | None:
-        """The name of a frozen floating-point weight holding NaN / inf (None: none does): at
-        the first step such a loss comes from the checkpoint, not from training."""
+        """The name of a floating-point weight that held NaN / inf before training changed it
+        (None: none did): at the first step such a loss comes from the checkpoint, not from
+        training. Frozen weights are read now; trained ones (--full) by their sums taken before
+        the first step, whose update has since spread the NaN to every one of them."""
+        sums = self._weight_sums(trainable=False) + getattr(self, "first_weight_sums", [])
+        return next((name for name, total in sums if not bool(total.isfinite())), None)
+
+    def _weight_sums(self, trainable: bool) -> list[tuple[str, torch.Tensor]]:
+        """(name, fp32 sum) of each floating-point weight that is trainable, or frozen (FSDP2:
+        this process's shard), on its device and not read back: NaN / inf carry through a sum,
+        and no copy of a weight is made."""
+        sums = []
         with torch.no_grad():
             for name, p in self.model.named_parameters():
-                t = p.to_local() if hasattr(p, "to_local") else p  # (FSDP2: this shard)
-                if p.requires_grad or not t.is_floating_point() or not t.numel():
+                t = p.to_local() if hasattr(p, "to_local") else p
+                if p.requires_grad != trainable or not t.is_floating_point() or not t.numel():
                     continue
-                try:  # (a sum: NaN / inf carry through it, and no copy of the weight is made)
-                    if not bool(t.sum(dtype=torch.float32).isfinite()):
-                        return name
+                try:
+                    sums.append((name, t.sum(dtype=torch.float32)))
                 except RuntimeError:  # (a dtype without a sum here: not checked)
                     continue
-        return None
+        return sums
 
     def _already_finished(self) -> TrainResult:
         """`--resume` of a run that reached its last step: nothing to train. The final adapter

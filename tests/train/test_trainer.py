@@ -376,6 +376,25 @@ def test_a_tokenizer_with_custom_code_loads_without_running_it(tmp_path):
     assert tok("hello").input_ids and not marker.exists()
 
 
+def test_a_folder_without_tokenizer_files_is_refused(tmp_path):
+    """transformers builds a Gemma tokenizer of 5 tokens from config.json alone (training would
+    then see only <unk>s): a folder with no vocabulary file is one line, before that."""
+    from transformers import AutoTokenizer
+
+    from leantune.train.trainer import load_tokenizer
+
+    folder = tmp_path / "gemma"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "gemma2", "vocab_size": 256}')
+    try:  # (transformers 5.x: it loads, nearly empty; another version may refuse it itself)
+        assert len(AutoTokenizer.from_pretrained(str(folder))) < 10
+    except (OSError, ValueError, TypeError):
+        pass
+    with pytest.raises(LeantuneError) as e:
+        load_tokenizer(str(folder))
+    assert str(e.value).startswith(f"{folder}: no tokenizer files") and "\n" not in str(e.value)
+
+
 # --- schedule ------------------------------------------------------------------------------------
 
 def test_schedule_values():

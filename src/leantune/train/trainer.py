@@ -24,6 +24,7 @@ from ..data.sources import check_source
 from ..dist.data import RankLoader
 from ..dist.parallel import Parallel
 from ..errors import LeantuneError
+from ..generate.prompts import TRAINED_AS
 from ..lora import apply_lora, save_adapter
 from ..lora.base_check import base_name_to_record, model_fingerprint
 from ..lora.params import count_parameters
@@ -158,11 +159,14 @@ class Trainer(StepRunner):
         self.objective = objective_for(cfg, self.log)
         model_config = (model.config if model is not None
                         else ModelConfig.from_file(model_dir / "config.json"))
-        self.samples = (SampleWriter(cfg.sample_prompts, self.tokenizer, self.output,
-                                     cfg.sample_max_new_tokens, model_config, self.log)
-                        if cfg.sample_prompts else None)
         vocab = model_config.vocab_size
         self._setup_data(train_data, eval_data, vocab)
+        # (after the data: {"prompt": text} rows are asked in the layout trained on; before the
+        # weights load, so a bad file is still refused early)
+        self.samples = (SampleWriter(cfg.sample_prompts, self.tokenizer, self.output,
+                                     cfg.sample_max_new_tokens, model_config, self.log,
+                                     TRAINED_AS.get(getattr(self.train_data, "format", None)))
+                        if cfg.sample_prompts else None)
         weights, self.prequantized = None, False
         if model is None:
             weights = resolve_checkpoint(cfg.model)  # a hub model's weights download here
@@ -518,6 +522,12 @@ def resolve_device(name: str | None) -> torch.device:
     return device
 
 
+# a tokenizer's vocabulary lives in one of these (transformers builds an empty tokenizer from
+# config.json alone for some model types: Gemma's had 5 tokens, and trained on <unk>s)
+VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt",
+               "sentencepiece.bpe.model")
+
+
 def load_tokenizer(model: str | None):
     from transformers import AutoTokenizer
 
@@ -525,6 +535,11 @@ def load_tokenizer(model: str | None):
     from ..utils.quiet import transformers_quiet
 
     folder = resolve_checkpoint(model)
+    if not any((folder / f).is_file() for f in VOCAB_FILES) and not any(
+            folder.glob("*.tiktoken")):
+        raise LeantuneError(f"{folder}: no tokenizer files (tokenizer.json, tokenizer.model or "
+                            "vocab.json); copy the tokenizer of the checkpoint this model came "
+                            "from into the folder")
     try:
         # never the checkpoint's own Python code (auto_map): a downloaded folder runs nothing
         with transformers_quiet():  # (its notes on config.json: leantune reads that itself)

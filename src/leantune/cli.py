@@ -306,16 +306,10 @@ def cmd_generate(args) -> int:
     from .generate import generate
     from .generate.context import fit_to_context
     from .generate.load import locate
-    from .generate.prompts import prompt_ids, read_prompt_file, typed_prompt
+    from .generate.prompts import has_typed, in_format, prompt_ids, read_prompt_file, typed_prompt
     from .utils.io import atomic_path
 
     kw = _sampling_kw(args)
-    if args.prompts and args.chat_template is not None:
-        raise LeantuneError("--chat-template / --no-chat-template apply to --prompt; with "
-                            "--prompts each row says it: 'messages' rows use the chat template")
-    if args.prompts and args.prompt_format:
-        raise LeantuneError("--prompt-format applies to --prompt; with --prompts each row says "
-                            "it: 'messages' rows use the chat template, alpaca rows its prompt")
     if args.chat_template is not None and args.prompt_format:
         raise LeantuneError("give --prompt-format or --chat-template / --no-chat-template, not "
                             "both (--chat-template is --prompt-format chat)")
@@ -327,14 +321,21 @@ def cmd_generate(args) -> int:
         raise LeantuneError(f"{out}: --output is the --prompts file; choose another file")
     rows = (read_prompt_file(args.prompts) if args.prompts
             else [({"prompt": args.prompt}, args.prompt, "--prompt")])
+    asked = ({True: "chat", False: "text"}[args.chat_template]
+             if args.chat_template is not None else args.prompt_format)
+    if args.prompts and asked and not has_typed(rows):
+        flag = "--prompt-format" if args.prompt_format else "--chat-template / --no-chat-template"
+        raise LeantuneError(f"{flag} applies to --prompt and to {{\"prompt\": text}} rows; "
+                            f"{args.prompts} has none ('messages' rows use the chat template, "
+                            "alpaca rows its prompt): leave it out")
     src = locate(args.model, args.adapter, args.device, args.dtype, log=_note,
                  force_base=args.force_base, precision=args.precision)
     tokenizer = src.tokenizer
     if not args.prompts:
-        asked = ({True: "chat", False: "text"}[args.chat_template]
-                 if args.chat_template is not None else args.prompt_format)
         rows = [(rows[0][0], typed_prompt(args.prompt, src.prompt_format(asked, log=_note)),
                  "--prompt")]
+    elif has_typed(rows):  # {"prompt": text} rows are asked as --prompt is
+        rows = in_format(rows, src.prompt_format(asked, log=_note))
     ids = [prompt_ids(tokenizer, prompt, where) for _, prompt, where in rows]  # before weights
     # a prompt past the model's context is refused before the weights load too (config.json
     # has the context); a capped completion's note is generate's, once
@@ -413,8 +414,9 @@ def _generation_flags(p, stop: bool = True) -> None:
     a("--force-base", action="store_true",
       help="use --model even when it is not the base the adapter was trained on (a warning)")
     a("--prompt-format", choices=["auto", "chat", "alpaca", "text"],
-      help="how a typed prompt is put to the model: auto (default): as the run was trained "
-           "(its run_config.json), else the chat template when the tokenizer has one")
+      help="how a typed prompt (--prompt, a {\"prompt\": text} row, a chat line) is put to "
+           "the model: auto (default): as the run was trained (its run_config.json), else the "
+           "chat template when the tokenizer has one")
     a("--device", help="cuda, cuda:1, cpu (default: cuda if available)")
     a("--dtype", choices=["bfloat16", "float16", "float32"], help="default: by device")
     a("--precision", choices=["bf16", "fp8"], default="bf16",
@@ -581,17 +583,18 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Complete --prompt, or each row of --prompts, with --model "
                                     "and --adapter (unmerged), greedily by default.")
     src = gp.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="one prompt: printed completion (through the chat "
-                                      "template when the tokenizer has one)")
-    src.add_argument("--prompts", help="a .jsonl (.json, .csv) of rows {\"prompt\": text}, "
+    src.add_argument("--prompt", help="one prompt: printed completion (in the prompt format "
+                                      "the run was trained with: --prompt-format)")
+    src.add_argument("--prompts", help="a .jsonl (.json, .csv) of rows {\"prompt\": text} "
+                                       "(asked as --prompt is), "
                                        "{\"messages\": [...]} (chat template) or alpaca "
                                        "{\"instruction\", \"input\"}: JSONL out, each row "
                                        "with completion, tokens, stopped")
     gp.add_argument("--output", help="write the JSONL rows to this file (default: stdout)")
     gp.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     gp.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
-                    help="--prompt as a user turn through the chat template (default: when the "
-                         "tokenizer has one); --no-chat-template: the text as it is")
+                    help="--prompt (and {\"prompt\": text} rows) as a user turn through the "
+                         "chat template: --prompt-format chat; --no-chat-template: text")
     gp.add_argument("--batch-size", type=int, default=16, help="prompts decoded together "
                                                               "(default 16)")
     _generation_flags(gp)

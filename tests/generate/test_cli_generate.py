@@ -73,7 +73,8 @@ def test_generate_a_prompts_file_writes_jsonl(capsys, tmp_path, tiny_ckpt, adapt
     got = [json.loads(line) for line in out_file.read_text().splitlines()]
     from leantune.data.formats import render_alpaca_prompt
 
-    expected = [reference("hello world"), reference(_chat("What is the capital?")),
+    # (a {"prompt": text} row is asked as --prompt is: a user turn of the template here)
+    expected = [reference(_chat("hello world")), reference(_chat("What is the capital?")),
                 reference(render_alpaca_prompt("Translate to French", "hello world"))]
     for row, written, ref in zip(rows, got, expected):
         assert written == {**row, "completion": ref.text, "tokens": len(ref.token_ids),

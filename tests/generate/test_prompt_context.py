@@ -24,6 +24,7 @@ from leantune.generate.prompts import prompt_ids
 
 CONTEXT = 256  # the tiny checkpoint's max_position_embeddings
 GEN = ["--device", "cpu", "--max-new-tokens", "10"]
+TEXT = ["--prompt-format", "text"]  # {"prompt": text} rows as they are (not a chat turn)
 
 
 @pytest.fixture(scope="module")
@@ -52,14 +53,14 @@ def test_a_long_row_of_a_prompts_file_is_one_line_naming_it(capsys, tmp_path, ti
     huge = "hello " * 100000  # (once a 90 GB KV cache and an allocator traceback)
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hello world"}, {"prompt": huge}])
     n = _count(tok, huge)
-    assert cli_error(capsys, "generate", "--model", tiny_ckpt, "--prompts", prompts, *GEN) == (
+    assert cli_error(capsys, "generate", "--model", tiny_ckpt, "--prompts", prompts, *TEXT, *GEN) == (
         f"{prompts}:2: the prompt is {n:,} tokens, and the model's context is 256 tokens (its "
         "max_position_embeddings), which must hold the prompt and its completion; shorten the "
         "prompt to at most 246 tokens to leave room for --max-new-tokens 10 (up to 255, its "
         "completion stops at the context)")
     # one that fills the context exactly leaves no room either
     full = write_jsonl(tmp_path / "full.jsonl", [{"prompt": _near(tok, 0)}])
-    assert cli_error(capsys, "generate", "--model", tiny_ckpt, "--prompts", full, *GEN
+    assert cli_error(capsys, "generate", "--model", tiny_ckpt, "--prompts", full, *TEXT, *GEN
                      ).startswith(f"{full}:1: the prompt is 256 tokens, and the model's context")
 
 
@@ -74,7 +75,7 @@ def test_a_long_prompt_is_refused_before_the_weights_load(capsys, monkeypatch, t
     monkeypatch.setattr(Located, "load", lambda self: loaded.append(self) or 1 / 0)
     huge = "hello " * 300
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hello world"}, {"prompt": huge}])
-    assert cli_error(capsys, "generate", "--model", tiny_ckpt, "--prompts", prompts, *GEN) == (
+    assert cli_error(capsys, "generate", "--model", tiny_ckpt, "--prompts", prompts, *TEXT, *GEN) == (
         f"{prompts}:2: the prompt is {_count(tok, huge):,} tokens, and the model's context is "
         "256 tokens (its max_position_embeddings), which must hold the prompt and its "
         "completion; shorten the prompt to at most 246 tokens to leave room for "
@@ -121,7 +122,7 @@ def test_a_prompt_near_the_context_gets_a_capped_completion_and_a_note(capsys, t
     near = _near(tok, 4)
     rows = [{"prompt": "hello world"}, {"prompt": near}]
     prompts = write_jsonl(tmp_path / "p.jsonl", rows)
-    rc, out, err = run_cli(capsys, "generate", "--model", tiny_ckpt, "--prompts", prompts, *GEN)
+    rc, out, err = run_cli(capsys, "generate", "--model", tiny_ckpt, "--prompts", prompts, *TEXT, *GEN)
     assert rc == 0, err
     assert err.strip().splitlines() == [
         f"leantune: note: {prompts}:2 is 252 tokens, which leaves 4 of the model's 256-token "
@@ -136,7 +137,7 @@ def test_a_prompt_near_the_context_gets_a_capped_completion_and_a_note(capsys, t
                           "stopped": "length"}
     # several: one note
     many = write_jsonl(tmp_path / "m.jsonl", [{"prompt": near}, {"prompt": _near(tok, 2)}])
-    rc, _, err = run_cli(capsys, "generate", "--model", tiny_ckpt, "--prompts", many, *GEN)
+    rc, _, err = run_cli(capsys, "generate", "--model", tiny_ckpt, "--prompts", many, *TEXT, *GEN)
     assert rc == 0 and err.strip().splitlines() == [
         "leantune: note: 2 prompts leave fewer than --max-new-tokens 10 of the model's "
         f"256-token context for their completions (the first, {many}:1: 252 tokens, leaves 4); "
@@ -147,7 +148,7 @@ def test_normal_prompts_are_unchanged_and_say_nothing(capsys, tmp_path, tiny_ckp
     model, tok = lm
     rows = [{"prompt": "hello world"}, {"prompt": "the quick brown fox"}]
     prompts = write_jsonl(tmp_path / "p.jsonl", rows)
-    rc, out, err = run_cli(capsys, "generate", "--model", tiny_ckpt, "--prompts", prompts, *GEN)
+    rc, out, err = run_cli(capsys, "generate", "--model", tiny_ckpt, "--prompts", prompts, *TEXT, *GEN)
     assert rc == 0 and err == ""
     want = leantune.generate(model, tok, [r["prompt"] for r in rows], max_new_tokens=10)
     assert [json.loads(line)["completion"] for line in out.splitlines()] == [g.text for g in want]
@@ -187,7 +188,7 @@ def test_a_kv_cache_larger_than_free_memory_is_one_line(capsys, monkeypatch, tmp
 
     monkeypatch.setattr(cache, "free_bytes", lambda device: 2**10)
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hello world"}] * 3)
-    err = cli_error(capsys, "generate", "--model", tiny_ckpt, "--prompts", prompts, *GEN)
+    err = cli_error(capsys, "generate", "--model", tiny_ckpt, "--prompts", prompts, *TEXT, *GEN)
     assert err.startswith("generating 3 prompts together needs a KV cache of ")
     assert "cpu has 1 KiB free; give fewer prompts at a time (--batch-size)" in err
 

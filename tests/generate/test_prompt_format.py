@@ -110,10 +110,51 @@ def test_generate_asks_in_the_runs_format(capsys, monkeypatch, trained, tmp_path
     assert tok.chat_template  # (the chat template was there to take, and was not taken)
 
 
+def test_a_prompts_files_text_rows_ask_as_prompt_does(capsys, monkeypatch, trained, tmp_path):
+    """{"prompt": text} rows of --prompts (and of train's --sample-prompts) are typed prompts:
+    the run's format (alpaca here), --prompt-format overriding it; a messages row and an alpaca
+    row say their own."""
+    from transformers import AutoTokenizer
+
+    import leantune.generate.prompts as prompts_module
+    from leantune.generate.prompts import prompt_ids
+    from leantune.train.samples import SampleWriter
+
+    encoded = []
+    real = prompts_module.prompt_ids
+    monkeypatch.setattr(prompts_module, "prompt_ids", lambda tokenizer, prompt, where="prompt":
+                        encoded.append(prompt) or real(tokenizer, prompt, where))
+    chat = [{"role": "user", "content": "w7"}]
+    rows = [{"prompt": "w5 w6"}, {"messages": chat}, {"instruction": "w8"}]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rc, out, err = run_cli(capsys, "generate", "--adapter", trained, "--prompts", prompts, *GEN)
+    assert rc == 0, err
+    assert "prompt format: the alpaca prompt (alpaca), as the run was trained" in err
+    assert encoded == [render_alpaca_prompt("w5 w6"), chat, render_alpaca_prompt("w8")]
+    assert [json.loads(line)["prompt"] for line in out.splitlines()[:1]] == ["w5 w6"]
+    encoded.clear()
+    rc, _, err = run_cli(capsys, "generate", "--adapter", trained, "--prompts", prompts,
+                         "--prompt-format", "text", *GEN)
+    assert rc == 0 and encoded == ["w5 w6", chat, render_alpaca_prompt("w8")], err
+    # train --sample-prompts: the format of the data being trained on
+    tok = AutoTokenizer.from_pretrained(trained)
+    writer = SampleWriter(str(prompts), tok, tmp_path, 4, trained_as="alpaca")
+    assert writer.ids[0] == real(tok, render_alpaca_prompt("w5 w6"))
+    assert writer.prompts[0] == "w5 w6"  # (samples.jsonl shows the row's text)
+    assert SampleWriter(str(prompts), tok, tmp_path, 4, trained_as="text").ids[0] == \
+        prompt_ids(tok, "w5 w6")
+
+
 def test_prompt_format_errors(capsys, trained, tmp_path):
-    assert "--prompt-format applies to --prompt" in cli_error(
-        capsys, "generate", "--adapter", trained, "--prompts", tmp_path / "p.jsonl",
-        "--prompt-format", "alpaca", *GEN)
+    messages = tmp_path / "m.jsonl"
+    messages.write_text(json.dumps({"messages": [{"role": "user", "content": "w5"}]}) + "\n")
+    for flag, name in ((["--prompt-format", "alpaca"], "--prompt-format"),
+                       (["--no-chat-template"], "--chat-template / --no-chat-template")):
+        assert cli_error(capsys, "generate", "--adapter", trained, "--prompts", messages, *flag,
+                         *GEN) == (
+            f"{name} applies to --prompt and to {{\"prompt\": text}} rows; {messages} has none "
+            "('messages' rows use the chat template, alpaca rows its prompt): leave it out")
     assert "not both" in cli_error(capsys, "generate", "--adapter", trained, "--prompt", "w5",
                                    "--prompt-format", "alpaca", "--chat-template", *GEN)
     # a system message needs turns: refused (after the notes) before the weights load

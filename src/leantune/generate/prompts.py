@@ -7,8 +7,8 @@ through the tokenizer's chat template with the assistant's turn opened
 (add_generation_prompt; rendered sandboxed, with a time and size limit), then likewise; an alpaca
 row is its instruction prompt.
 
-A typed prompt (`generate --prompt`, a `chat` line) takes the *prompt format* the run was
-trained with (run_config.json, `trained_prompt_format`): a run on alpaca rows is asked in the
+A typed prompt (`generate --prompt`, a `chat` line, a `{"prompt": text}` row of a prompts file:
+`TypedText`) takes the *prompt format* the run was trained with (run_config.json, `trained_prompt_format`): a run on alpaca rows is asked in the
 alpaca prompt, a run on messages through the chat template, a run on text with the text as it is;
 `--prompt-format` overrides it. A model fine-tuned on one layout answers poorly in another (the
 demo, trained on alpaca prompts, answered no capital through the chat template).
@@ -36,16 +36,22 @@ ROW_NEEDS = ("'prompt' (a text), 'messages' (a list of {'role', 'content'}: the 
              "or 'instruction' (and 'input': the alpaca prompt)")
 
 
+class TypedText(str):
+    """A `{"prompt": text}` row's text: asked as a typed prompt (`in_format`), in the prompt
+    format the run was trained with, as `--prompt` is; until then, the text as it is."""
+
+
 def read_prompt_file(path: str | os.PathLike) -> list[tuple[dict, str | list[dict], str]]:
-    """The rows of a .jsonl / .json / .csv file as (row, prompt, location): the prompt is a text
-    or a conversation (module docstring). One-line errors name the file and line."""
+    """The rows of a .jsonl / .json / .csv file as (row, prompt, location): the prompt is a
+    TypedText, a conversation or an alpaca prompt's text (module docstring). One-line errors
+    name the file and line."""
     out = []
     for line, row in read_rows_located(path):
         where = format_location(path, line)
         if "messages" in row or "conversations" in row:
             prompt = normalize_messages(row, where)
         elif isinstance(row.get("prompt"), str):
-            prompt = row["prompt"]
+            prompt = TypedText(row["prompt"])
         elif isinstance(row.get("instruction"), str):
             extra = row.get("input") or ""
             if not isinstance(extra, str):
@@ -117,6 +123,18 @@ def typed_prompt(text: str, fmt: str, system: str | None = None):
         raise LeantuneError(f"a system message needs the chat template, and the prompt format is "
                             f"{fmt}; leave out --system, or pass --prompt-format chat")
     return render_alpaca_prompt(text) if fmt == "alpaca" else text
+
+
+def has_typed(rows) -> bool:
+    """Whether any of read_prompt_file's rows is a typed prompt (TypedText)."""
+    return any(isinstance(prompt, TypedText) for _, prompt, _ in rows)
+
+
+def in_format(rows, fmt: str) -> list:
+    """read_prompt_file's rows with each TypedText asked in prompt format `fmt` (typed_prompt);
+    conversations and alpaca rows say their own format."""
+    return [(row, typed_prompt(str(p), fmt) if isinstance(p, TypedText) else p, where)
+            for row, p, where in rows]
 
 
 class PromptIds(list):

@@ -395,6 +395,24 @@ def test_a_folder_without_tokenizer_files_is_refused(tmp_path):
     assert str(e.value).startswith(f"{folder}: no tokenizer files") and "\n" not in str(e.value)
 
 
+def test_a_token_id_past_the_models_vocabulary_names_the_row(tmp_path, tiny_ckpt, alpaca_file):  # noqa: F811
+    """A tokenizer bigger than the model's vocabulary: the first row holding such an id is
+    named by file and line, before the weights load."""
+    import json
+    import shutil
+
+    folder = tmp_path / "small-vocab"
+    shutil.copytree(tiny_ckpt, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["vocab_size"] = 40
+    (folder / "config.json").write_text(json.dumps(config))
+    cfg = TrainConfig(model=str(folder), data=str(alpaca_file), output=str(tmp_path / "run"),
+                      max_seq_len=64, device="cpu", dtype="float32", progress=False)
+    with pytest.raises(LeantuneError, match=rf"^training data: {alpaca_file}:1 holds token id "
+                                            r"\d+, outside the model's vocabulary \(0\.\.39\)"):
+        Trainer(cfg, log=lambda *a, **k: None)
+
+
 # --- schedule ------------------------------------------------------------------------------------
 
 def test_schedule_values():

@@ -48,8 +48,10 @@ class SFTObjective(Objective):
         return loader_cls(data, cfg.batch_size, cfg.max_seq_len, seed=cfg.seed, shuffle=shuffle)
 
     def check_token_ids(self, data, vocab: int, what: str) -> None:
+        from ...data.files import format_location
         from ...errors import LeantuneError
 
+        locations = getattr(data, "locations", None)
         for i in range(len(data)):
             ids = data[i][0]
             if not len(ids):
@@ -57,8 +59,10 @@ class SFTObjective(Objective):
             hi, lo = max(ids), min(ids)
             if hi >= vocab or lo < 0:
                 bad = hi if hi >= vocab else lo
+                where = (format_location(data.source, locations[i])  # its file and line
+                         if locations is not None and i < len(locations) else f"document {i}")
                 raise LeantuneError(
-                    f"{what}: document {i} holds token id {bad}, outside the model's vocabulary "
+                    f"{what}: {where} holds token id {bad}, outside the model's vocabulary "
                     f"(0..{vocab - 1}); the tokenizer does not match the model (check --model), "
                     f"or the ids were made for another vocabulary")
 

@@ -163,7 +163,27 @@ def test_checkpoint_missing_a_weight(good, tmp_path, weight):
     del tensors[weight]
     save_file(tensors, str(f), metadata={"format": "pt"})
     msg = _error(ckpt)
-    assert weight in msg and "1 weights missing" in msg and str(ckpt) in msg
+    assert weight in msg and "1 weight missing" in msg and str(ckpt) in msg
+
+
+def test_a_fused_checkpoint_tensor_missing_is_named_as_the_checkpoint_names_it(tmp_path):
+    """Phi-3 keeps q/k/v in one qkv_proj tensor: its absence is that one tensor, not the three
+    projections the model splits it into."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Phi3Config(vocab_size=101, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
+                     bos_token_id=1, eos_token_id=2)
+    ckpt = tmp_path / "phi3"
+    Phi3ForCausalLM(cfg).save_pretrained(ckpt)
+    f = ckpt / "model.safetensors"
+    tensors = load_file(str(f))
+    del tensors["model.layers.0.self_attn.qkv_proj.weight"]
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    assert _error(ckpt) == (f"{ckpt}: 1 weight missing from the checkpoint (e.g. "
+                            "model.layers.0.self_attn.qkv_proj.weight); the download is "
+                            "incomplete: re-download the model")
 
 
 def test_weight_with_wrong_shape(good, tmp_path):
@@ -182,7 +202,9 @@ def test_config_errors_from_dict():
         ModelConfig.from_dict({}, source="x.json")
     with pytest.raises(LeantuneError, match="unsupported|not supported"):
         ModelConfig.from_dict({"model_type": "gemma"}, source="x.json")
-    with pytest.raises(LeantuneError, match="text_config"):
+    with pytest.raises(LeantuneError, match=r"^x\.json: model_type 'gemma3' \(a multimodal "
+                       r"checkpoint\) needs a text_config object .*; a text-only checkpoint "
+                       r"says model_type 'gemma3_text' with those fields at the top level$"):
         ModelConfig.from_dict({"model_type": "gemma3"}, source="x.json")
 
 

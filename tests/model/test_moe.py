@@ -348,7 +348,7 @@ def test_per_expert_checkpoint_missing_an_expert_is_a_one_line_error(checkpoints
     key = "model.layers.1.block_sparse_moe.experts.3.w3.weight"
     del tensors[key]
     save_file(tensors, str(f), metadata={"format": "pt"})
-    with pytest.raises(LeantuneError, match=f"1 weights missing .*e.g. {key}"):
+    with pytest.raises(LeantuneError, match=f"1 weight missing .*e.g. {key}"):
         leantune.load_model(folder, device="cpu")
 
 

@@ -80,7 +80,7 @@ def test_a_corrupt_or_mismatched_model_is_found_from_its_headers(old_run, tiny_c
                           (wide, r"has shape .* config.json implies .* do not belong to this "
                                  r"config.json \(re-download the model, or restore its "
                                  r"config.json\)"),
-                          (short, "1 weights missing from the checkpoint .e.g. model.norm.weight"
+                          (short, "1 weight missing from the checkpoint .e.g. model.norm.weight"
                                   "."
                                   "; the download is incomplete: re-download the model")):
         with pytest.raises(LeantuneError, match=expect):

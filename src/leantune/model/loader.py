@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import LeantuneError
+from ..utils.words import count
 from ..kernels.nf4 import NF4Weight, nf4_from_bnb_state, parse_bnb_state
 from ..lora.layer import LoRALinear
 from .config import ModelConfig
@@ -379,8 +380,8 @@ def load_safetensors_into(model: CausalLM, files: list[Path],
             for w, q in nf4.items()}
     missing = sorted(k for ks in keys.values() for k in ks if k not in file_of)
     if missing:
-        raise LeantuneError(f"{files[0].parent}: {len(missing)} weights missing from the "
-                            f"checkpoint (e.g. {missing[0]}); the download is incomplete: "
+        raise LeantuneError(f"{files[0].parent}: {count(len(missing), 'weight')} missing from "
+                            f"the checkpoint (e.g. {missing[0]}); the download is incomplete: "
                             "re-download the model")
     with ExitStack() as stack:
         handles: dict[Path, object] = {}

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from ..errors import LeantuneError
+from ..utils.words import count
 from .families import family
 from .mxfp4 import BLOCK, dequantize_mxfp4
 
@@ -76,8 +77,8 @@ def plan_weights(model_type: str, params: dict[str, tuple[int, ...]],
             pieces = [Piece(key, whole, fused_rows=rows)]
         else:
             pieces = _expert_pieces(model_type, name, shape, shapes)
-        if pieces is None:
-            missing.append(name)
+        if pieces is None:  # (a fused family: the checkpoint tensor that holds it, once)
+            missing.append(fused[name][0] if name in fused else name)
             continue
         for piece in pieces:
             tensors = [(piece.key, piece.shape)]
@@ -93,8 +94,9 @@ def plan_weights(model_type: str, params: dict[str, tuple[int, ...]],
                         "(re-download the model, or restore its config.json)")
         plan[name] = pieces
     if missing:
-        raise LeantuneError(f"{folder}: {len(missing)} weights missing from the checkpoint "
-                            f"(e.g. {sorted(missing)[0]}); the download is incomplete: "
+        missing = sorted(set(missing))
+        raise LeantuneError(f"{folder}: {count(len(missing), 'weight')} missing from the "
+                            f"checkpoint (e.g. {missing[0]}); the download is incomplete: "
                             "re-download the model")
     return plan
 

@@ -161,6 +161,8 @@ def _jsonl(tmp_path, rows, name="data.jsonl"):
      r"'output' \(optional 'input'\)"),
     ([{"text": "a"}, {"txt": "b"}], None,
      r"data\.jsonl:2: missing field 'text'; the text format needs a 'text' string"),
+    ([{"instruction": "a", "output": "b"}, {"instruction": "a", "output": None}], None,
+     r"data\.jsonl:2: field 'output' is null; the alpaca format needs 'instruction' and "),
     ([{"messages": [{"role": "user", "content": "x"}]}, {"messages": [{"role": "user"}]}], None,
      r"data\.jsonl:2: messages\[0\] is missing field 'content'; the messages format needs a "
      r"'messages'"),

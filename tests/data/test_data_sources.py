@@ -136,7 +136,8 @@ def test_errors_in_hub_rows_name_the_dataset_and_row(monkeypatch):
                         lambda path, name=None, split=None: datasets.Dataset.from_list(rows))
     with pytest.raises(LeantuneError) as ei:
         SFTDataset("org/name", make_tokenizer(), 64, format="alpaca")
-    assert _one_line(ei).startswith("org/name[train] (row 2): missing field 'output'")
+    # (a dataset's rows share its columns: a row without the field holds null there)
+    assert _one_line(ei).startswith("org/name[train] (row 2): field 'output' is null")
 
 
 # --- errors ----------------------------------------------------------------------------------------

@@ -114,9 +114,11 @@ def detect_format(rows: Sequence[dict], source: str | os.PathLike | None = None,
 # Helpers
 # --------------------------------------------------------------------------------------------
 
-def _missing(where: str, fmt: str, field: str) -> LeantuneError:
-    return LeantuneError(
-        f"{where}: missing field {field!r}; the {fmt} format needs {FORMAT_NEEDS[fmt]}")
+def _missing(where: str, fmt: str, field: str, row: dict | None = None) -> LeantuneError:
+    """A required field absent, or null (said so: the row has it, with no value)."""
+    what = (f"field {field!r} is null" if row is not None and field in row
+            else f"missing field {field!r}")
+    return LeantuneError(f"{where}: {what}; the {fmt} format needs {FORMAT_NEEDS[fmt]}")
 
 
 def _text_field(row: dict, key: str, fmt: str, where: str, required: bool = True) -> str:
@@ -124,7 +126,7 @@ def _text_field(row: dict, key: str, fmt: str, where: str, required: bool = True
     value = row.get(key)
     if value is None:
         if required:
-            raise _missing(where, fmt, key)
+            raise _missing(where, fmt, key, row)
         return ""
     if isinstance(value, str):
         return value

@@ -152,7 +152,12 @@ class ModelConfig:
         if fam.text_config:  # a multimodal checkpoint: its language model's fields
             text = d.get("text_config")
             if not isinstance(text, dict):
-                raise LeantuneError(f"{source}: model_type {mt!r} needs a text_config object")
+                text_only = f"{mt}_text"
+                raise LeantuneError(
+                    f"{source}: model_type {mt!r} (a multimodal checkpoint) needs a text_config "
+                    "object holding its language model's fields" + (
+                        f"; a text-only checkpoint says model_type {text_only!r} with those "
+                        "fields at the top level" if text_only in SUPPORTED_MODEL_TYPES else ""))
             raw = d
             d = {**text, **{k: d[k] for k in ("tie_word_embeddings",) if k in d},
                  "model_type": mt}

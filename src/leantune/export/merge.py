@@ -17,24 +17,20 @@ that checkpoint as --model: the adapter is merged onto its 16-bit weights. A pre
 4-bit checkpoint was made from, checked to have the same tensors and shapes: a better base than
 the dequantised one, where it is at hand.
 
-The export is written into a hidden folder beside OUT and renamed into place at the end (a short
-sequence of renames, `_publish`, whose every prefix the next export mends: `recover_publish`); a
-journal file beside OUT, written before the hidden folder is made and removed once it is gone,
-is the proof that the folders at leantune's names beside OUT are an export's: without it nothing
-there is deleted or moved unless its contents are exactly an export's (what leantune <= 0.3 left,
-with no journal), so a user's folder of a like name is never touched. A failed, interrupted or
-killed export leaves OUT as it was, one export at a time holds OUT (a lock file beside it), and
-OUT may never be, contain or lie inside the base or adapter folder (a subfolder of the adapter's
-folder is fine: a run's own merged/). `--overwrite` replaces the files an export writes (by
-their exact names: `_is_export_file`) and keeps every other file in OUT.
+The export is written into a hidden folder beside OUT and put in its place at the end by
+export/publish.py, as every export is: a journal file beside OUT proves which leftovers an
+export made, and the next export mends what a killed one left (`recover_publish`), touching
+nothing else. A failed, interrupted or killed export leaves OUT as it was, one export at a time
+holds OUT (a lock file beside it), and OUT may never be, contain or lie inside the base or
+adapter folder (a subfolder of the adapter's folder is fine: a run's own merged/).
+`--overwrite` replaces the files an export writes (by their exact names:
+`publish.is_merged_file`) and keeps every other file in OUT.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
-import shutil
 from pathlib import Path
 
 import torch
@@ -51,14 +47,19 @@ from ..model.loader import (DTYPES, Headers, bnb_compute_dtype, bnb_quant_states
 from ..model.transformer import CausalLM
 from ..model.weight_map import read_piece_into
 from ..train.checkpoint import latest_checkpoint
-from ..utils import signals
-from ..utils.io import (atomic_write_json, atomic_write_text, fsync_dir, refuse_link_at, remove,
-                        replace, temp_of)
+from ..utils.io import atomic_write_json, refuse_link_at
 from ..utils.lock import lock_beside
 from ..utils.paths import check_output_folder
-from .full import TOKENIZER_FILES, copy_side_files, set_config_dtype
+from .full import copy_side_files, set_config_dtype
+from .publish import open_output, publishing
+# (the publish machinery's names that callers and tests import from here)
+from .publish import is_merged_file as _is_export_file  # noqa: F401
+from .publish import journal_path as _journal  # noqa: F401
+from .publish import journal_text as _journal_text  # noqa: F401
+from .publish import recover_publish  # noqa: F401
+from .publish import stage_names as _stage_names  # noqa: F401
 from .serving import write_generation_config
-from .shards import INDEX, SHARD_NAME, write_sharded
+from .shards import write_sharded
 
 
 def adapter_source(path: Path, log=print) -> tuple[LoRAConfig, Path]:
@@ -337,12 +338,7 @@ def export_merged(model: str | os.PathLike, adapter_dir: str | os.PathLike | Non
     check_output_folder(out, {"base model": src, "adapter": adapter, "original model": onto},
                         may_lie_inside=("adapter",))
     with lock_beside(out):  # one export into `out` at a time (a second names its PID)
-        recover_publish(out, log)  # first, what an export killed in `out` left
-        if out.exists() and any(out.iterdir()) and not overwrite:
-            raise LeantuneError(f"{out}: output folder is not empty; choose a new folder or pass "
-                                "--overwrite")
-        tmp, old = _stage_names(out)
-        _refuse_in_the_way(out)
+        open_output(out, overwrite, log)  # first, what an export killed in `out` left
         weights = MergedWeights(src, adapter, log, onto)  # checks the adapter fits this base
         out_dtype = DTYPES[dtype] if dtype else None
         entries = []
@@ -354,12 +350,7 @@ def export_merged(model: str | os.PathLike, adapter_dir: str | os.PathLike | Non
             entries.append((key, _numel(shape) * itemsize,
                             lambda key=key: weights.tensor(key, out_dtype)))
 
-        journal = _journal(out)
-        atomic_write_text(journal, _journal_text(out))  # before the folder it vouches for
-        made = False
-        try:
-            tmp.mkdir()
-            made = True
+        with publishing(out) as tmp:  # (export/publish.py)
             write_sharded(entries, tmp, max_shard_bytes)
             config = weights.hf_config()
             if out_dtype is not None:
@@ -369,193 +360,7 @@ def export_merged(model: str | os.PathLike, adapter_dir: str | os.PathLike | Non
             if adapter is not None and adapter.is_dir():  # a base without tokenizer files:
                 copy_side_files(adapter, tmp, only_missing=True)  # the run saved them there
             write_generation_config(src, tmp)
-            _publish(tmp, out)
-        finally:
-            if made and tmp.exists():
-                shutil.rmtree(tmp)
-            if not old.exists():  # (else a publish failed between its renames: kept to mend)
-                remove(journal)
     return out
-
-
-EXPORT_FILES = ("config.json", "model.safetensors", INDEX, *TOKENIZER_FILES)
-
-
-def _is_export_file(name: str) -> bool:
-    """Whether `name` is one of the files an export writes (exactly: `model_v1.safetensors` is a
-    user's file), which `--overwrite` replaces; every other file in the output is kept."""
-    return name in EXPORT_FILES or SHARD_NAME.fullmatch(name) is not None
-
-
-def _is_export_temp(name: str) -> bool:
-    """An unfinished write of an export file (utils/io.atomic_path's `.NAME.tmp-PID-XXXXXXXX`)."""
-    of = temp_of(name)
-    return of is not None and _is_export_file(of)
-
-
-def _stage_names(out: Path) -> tuple[Path, Path]:
-    """The new export's folder while it is written, and the previous export's while the new one
-    takes its place: fixed names beside `out` (one export at a time holds `out`: lock_beside),
-    so the next export finds what a killed one left."""
-    return (out.with_name(f".{out.name}.leantune-tmp"),
-            out.with_name(f".{out.name}.leantune-old"))
-
-
-def _journal(out: Path) -> Path:
-    """The file beside `out` that is there while the stage folders are an export's."""
-    return out.with_name(f".{out.name}.leantune-publish.json")
-
-
-def _journal_text(out: Path) -> str:
-    tmp, old = _stage_names(out)
-    return json.dumps({"leantune": "export publish", "output": out.name, "new": tmp.name,
-                       "previous": old.name}, indent=2) + "\n"
-
-
-def _journal_is_ours(out: Path) -> bool:
-    """Whether the journal beside `out` is the one an export writes (a regular file, its text)."""
-    path, want = _journal(out), _journal_text(out).encode()
-    try:
-        return (path.is_file() and not path.is_symlink() and path.stat().st_size == len(want)
-                and path.read_bytes() == want)
-    except OSError:
-        return False
-
-
-def _publish(tmp: Path, out: Path) -> None:
-    """Put the finished export `tmp` in place of `out`, while the journal (`_journal`) is there:
-        1. out -> OLD          (a kill here: out missing, OLD there -> OLD goes back to out)
-        2. tmp -> out          (a kill here: out and OLD there -> step 3 is finished)
-        3. the files of OLD that are not an export's (a user's notes) move into out,
-        4. OLD is deleted.
-    No stale shard of a previous export survives, and no kill leaves `out` missing for good."""
-    if not out.exists():
-        replace(tmp, out)
-        fsync_dir(out.parent)
-        return
-    _, old = _stage_names(out)
-    with signals.deferred():
-        replace(out, old)
-        replace(tmp, out)
-        fsync_dir(out.parent)
-    _merge_back(old, out)
-
-
-def _merge_back(old: Path, out: Path) -> bool:
-    """Steps 3-4 of `_publish`: keep the user's files of the previous export folder `old`.
-    Whether `old` is gone: a file of the user's that `out` has a namesake of (never so after
-    a publish; a folder of leantune <= 0.3 might) keeps it there, untouched but for the moves."""
-    kept = False
-    for f in sorted(old.iterdir()):
-        if _is_export_file(f.name):
-            continue
-        if (out / f.name).exists() or (out / f.name).is_symlink():
-            kept = True
-        else:
-            replace(f, out / f.name)
-    fsync_dir(out)
-    if not kept:
-        remove(old)
-    return not kept
-
-
-def _restore(old: Path, out: Path) -> bool:
-    """A previous export renamed aside: back in place of a missing `out`, or its user's files
-    into the new `out` (steps 3-4 of `_publish`). Whether `old` is gone."""
-    if out.exists():
-        return _merge_back(old, out)
-    replace(old, out)  # killed between the renames: the previous export comes back
-    fsync_dir(out.parent)
-    return True
-
-
-def _holds_an_export(folder: Path) -> bool:
-    """A previous export renamed aside by leantune <= 0.3 (no journal): its config.json and its
-    weights (an index or model.safetensors), regular files."""
-    def regular(name):
-        return (folder / name).is_file() and not (folder / name).is_symlink()
-
-    return regular("config.json") and (regular(INDEX) or regular("model.safetensors"))
-
-
-def _only_export_files(folder: Path) -> bool:
-    """An unfinished export folder of leantune <= 0.3 (no journal): nothing in it but regular
-    files an export writes, finished or not."""
-    return all(f.is_file() and not f.is_symlink()
-               and (_is_export_file(f.name) or _is_export_temp(f.name)) for f in folder.iterdir())
-
-
-def recover_publish(out: Path, log=print) -> None:
-    """Finish or undo what an export killed while publishing into `out` left beside it: a
-    previous export renamed aside while `out` is missing goes back; one renamed aside after the
-    new one arrived gives up its user files and goes; an unfinished new export is deleted.
-
-    Only what leantune provably made is touched: the folders at the stage names
-    (`_stage_names`) while the export's journal is there, and the `.OUT.tmp-PID` / `.OUT.old-PID`
-    folders of leantune <= 0.3 (and stage folders without a journal): a tmp one whose contents
-    are only an export's files (`_only_export_files`) is deleted, an old one holding an export
-    (`_holds_an_export`) is renamed back where `out` is missing, and left where it is not. A
-    link at a stage name is removed (never what it names); an empty folder there is removed
-    (nothing in it to lose); anything else, a user's folder of a like name, is left as it is,
-    named in one line to `log`."""
-    tmp, old = _stage_names(out)
-    for stage in (old, tmp):
-        if stage.is_symlink():  # not a folder an export made: the link goes, never what it names
-            remove(stage)
-    journaled = _journal_is_ours(out)
-    legacy = re.compile(rf"\.{re.escape(out.name)}\.(old|tmp)-\d+")
-    stages = [(old, "old", journaled), (tmp, "tmp", journaled)]
-    for path in sorted(out.parent.glob(f".{glob_escape(out.name)}.*-*")):
-        m = legacy.fullmatch(path.name)
-        if m:
-            stages.append((path, m[1], False))
-    left = []
-    for path, kind, ours in sorted(stages, key=lambda s: s[1]):  # the previous exports first
-        if not path.is_dir() or path.is_symlink():
-            if path.exists() or path.is_symlink():
-                left.append(path)
-            continue
-        # (a folder of leantune <= 0.3, unjournaled, only goes back where `out` is missing:
-        # a rename that loses nothing; beside an `out`, a user's folder of a like name stays)
-        if kind == "old" and (ours or (_holds_an_export(path) and not out.exists())):
-            if not _restore(path, out):
-                left.append(path)
-        elif kind == "tmp" and (ours or _only_export_files(path)):
-            remove(path)
-        else:
-            try:
-                path.rmdir()  # an empty folder: nothing in it to lose
-            except OSError:
-                left.append(path)
-    journal = _journal(out)
-    for path in out.parent.glob(f"{glob_escape('.' + journal.name)}.tmp-*"):
-        try:  # an unfinished write of the journal (its text so far): the stages came after it
-            if (temp_of(path.name) == journal.name and path.is_file() and not path.is_symlink()
-                    and _journal_text(out).encode().startswith(path.read_bytes())):
-                remove(path)
-        except OSError:
-            pass
-    if journaled:
-        remove(journal)
-    if left:
-        log(f"note: left as they are beside {out}, not folders an export provably left: "
-            f"{', '.join(p.name for p in left)}")
-
-
-def _refuse_in_the_way(out: Path) -> None:
-    """After `recover_publish`: a folder or file at a name the export writes beside `out` is not
-    one it can tell it made; it is not deleted, the export is refused."""
-    for path in (*_stage_names(out), _journal(out)):
-        if path.exists() or path.is_symlink():
-            raise LeantuneError(f"{path}: a name the export of {out.name} writes beside it is "
-                                "taken by something leantune cannot tell it made; move it away "
-                                "(or delete it) and run the export again")
-
-
-def glob_escape(name: str) -> str:
-    import glob
-
-    return glob.escape(name)
 
 
 def _numel(shape) -> int:

@@ -4,7 +4,10 @@ header, metadata and tensor index) and leantune's own tensors and quantisers.
 `export_gguf`: base + adapter merged, one model-<quant>.gguf and an Ollama Modelfile beside it.
 Tensors are merged, reordered and quantised one at a time as they are written (host memory near
 the largest tensor, not the model). `export_gguf_lora`: the adapter alone, for llama.cpp's
-`--lora`. Both write into a temporary folder beside the output and move the files in at the end.
+`--lora`. Both publish as the merged export does (export/publish.py): written into a folder
+beside the output, put in its place once complete (the previous export stays whole until then;
+`--overwrite` replaces the files of the names the export writes and keeps the others), and the
+next export mends whatever a killed one left, at every kill point.
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ import torch
 
 from ...errors import LeantuneError
 from ...model.config import ModelConfig
-from ...utils.io import atomic_write_text, staged_dir
+from ...utils import faults
+from ...utils.io import atomic_write_text, refuse_link_at
 from ...utils.lock import lock_beside
 from ...utils.paths import check_output_folder
 from ..merge import MergedWeights
+from ..publish import open_output, publishing
 from ..serving import load_tokenizer
 from .modelfile import default_system_prompt, modelfile_text, ollama_name, template_style
 from .quants import QUANT_TYPES, QuantType, quantize
@@ -67,7 +72,7 @@ def _import_gguf():
     try:
         import gguf
     except ImportError:
-        raise LeantuneError("GGUF export needs the gguf package: pip install leantune[gguf]") \
+        raise LeantuneError("GGUF export needs the gguf package: pip install 'leantune[gguf]'") \
             from None
     return gguf
 
@@ -104,6 +109,7 @@ def _write(path: Path, arch: str, metadata: Callable, planned: list[_Planned],
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
+        faults.point(f"write {path.name}")  # (a kill here leaves a partial GGUF)
         for p in tqdm(planned, desc=f"writing {path.name}", disable=not progress, unit="tensor"):
             t = p.make()
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
@@ -229,19 +235,22 @@ def window_warning(cfg, arch: str) -> str | None:
 def export_gguf(model: str | os.PathLike, adapter_dir: str | os.PathLike | None,
                 out_dir: str | os.PathLike, quant: str = "f16", overwrite: bool = False,
                 progress: bool = False,
-                merge_onto: str | os.PathLike | None = None) -> GGUFExport:
+                merge_onto: str | os.PathLike | None = None, log=print) -> GGUFExport:
     """Merge `adapter_dir` (optional) into `model` and write OUT/model-<quant>.gguf plus an
     Ollama Modelfile.
 
     Args:
         quant: f32 | f16 | bf16 | q8_0 | q4_0 | q5_0 | q4_k_m | q6_k (see tensors.tensor_type).
-        overwrite: allow a non-empty `out_dir` (files of the same name are replaced).
+        overwrite: allow a non-empty `out_dir` (its model-<quant>.gguf and Modelfile are
+            replaced, other files kept).
         merge_onto: for a 4-bit (bnb-4bit) `model`, its 16-bit original to merge onto instead
             of the dequantised base (export/merge.py).
+        log: where a note on leftovers beside the output that are not an export's goes.
     """
     _check_quant(quant, tuple(FILE_TYPES))
     _import_gguf()
     out = Path(out_dir)
+    refuse_link_at(out, "output folder")  # never written through
     weights = MergedWeights(model, adapter_dir, merge_onto=merge_onto)
     check_output_folder(out, {"base model": weights.src, "adapter": weights.adapter_dir,
                               "original model": weights.onto})
@@ -271,11 +280,13 @@ def export_gguf(model: str | os.PathLike, adapter_dir: str | os.PathLike | None,
                                      template_style(vocab.chat_template)))
     warnings += more
     # one export into `out` at a time, as the merged export (a second names its PID)
-    with lock_beside(out), staged_dir(out, overwrite) as tmp:
-        _write(tmp / file_name, arch,
-               lambda w: _model_metadata(w, cfg, arch, quant, model_name, vocab),
-               planned, progress)
-        atomic_write_text(tmp / "Modelfile", text)
+    with lock_beside(out):
+        open_output(out, overwrite, log)  # first, what an export killed in `out` left
+        with publishing(out, replaces=(file_name, "Modelfile")) as tmp:
+            _write(tmp / file_name, arch,
+                   lambda w: _model_metadata(w, cfg, arch, quant, model_name, vocab),
+                   planned, progress)
+            atomic_write_text(tmp / "Modelfile", text)
     return GGUFExport(gguf=out / file_name, modelfile=out / "Modelfile",
                       ollama_command=f"ollama create {name} -f "
                                      f"{shlex.quote(str(out / 'Modelfile'))}",
@@ -284,7 +295,7 @@ def export_gguf(model: str | os.PathLike, adapter_dir: str | os.PathLike | None,
 
 def export_gguf_lora(model: str | os.PathLike, adapter_dir: str | os.PathLike,
                      out_dir: str | os.PathLike, quant: str = "f16",
-                     overwrite: bool = False) -> GGUFExport:
+                     overwrite: bool = False, log=print) -> GGUFExport:
     """Write the adapter alone as OUT/adapter-<quant>.gguf for llama.cpp's `--lora` (on a GGUF
     of `model` written by export_gguf).
 
@@ -297,6 +308,7 @@ def export_gguf_lora(model: str | os.PathLike, adapter_dir: str | os.PathLike,
     if not adapter_dir:
         raise LeantuneError("--format gguf-lora needs --adapter")
     out = Path(out_dir)
+    refuse_link_at(out, "output folder")  # never written through
     weights = MergedWeights(model, adapter_dir)  # checks the adapter fits this base
     check_output_folder(out, {"base model": weights.src, "adapter": weights.adapter_dir})
     cfg = weights.config
@@ -321,6 +333,8 @@ def export_gguf_lora(model: str | os.PathLike, adapter_dir: str | os.PathLike,
         w.add_float32("adapter.lora.alpha", float(weights.scaling * weights.rank))
 
     file_name = f"adapter-{quant}.gguf"
-    with lock_beside(out), staged_dir(out, overwrite) as tmp:
-        _write(tmp / file_name, arch, metadata, planned, progress=False)
+    with lock_beside(out):
+        open_output(out, overwrite, log)  # first, what an export killed in `out` left
+        with publishing(out, replaces=(file_name,)) as tmp:
+            _write(tmp / file_name, arch, metadata, planned, progress=False)
     return GGUFExport(gguf=out / file_name, types={p.name: p.qtype.name for p in planned})

@@ -1,7 +1,8 @@
 """`--merge-at-end`: after a LoRA run, its base model with the adapter merged in, in OUTPUT/merged.
 
 Written by `leantune.export.export_merged` from the base checkpoint (`--model`) and the adapter
-the run has just saved in OUTPUT, so it is exactly what `leantune export` would write.
+the run has just saved in OUTPUT, so it is exactly what `leantune export` would write. A run
+stopped before its merge was done is finished by `--resume` (`merge_outdated` says when).
 """
 
 from __future__ import annotations
@@ -39,3 +40,38 @@ def merge_at_end(cfg, log) -> Path:
     out = export_merged(cfg.model, cfg.output, Path(cfg.output) / MERGED_DIR, overwrite=True)
     log(f"merged model: {out}/ (loads with transformers AutoModelForCausalLM.from_pretrained)")
     return out
+
+
+def merge_outdated(output) -> str | None:
+    """Why OUTPUT/merged must be written (again) to finish a --merge-at-end run, or None: it is
+    missing, a merge into it was cut short, or it is older than the adapter it merges."""
+    from ..export.merge import _journal
+    from ..export.shards import INDEX
+    from ..lora.peft_io import ADAPTER_WEIGHTS
+
+    merged = Path(output) / MERGED_DIR
+    if _journal(merged).exists():
+        return "its merge was cut short"
+    index, adapter = merged / INDEX, Path(output) / ADAPTER_WEIGHTS
+    if not index.is_file():
+        return f"{MERGED_DIR}/ is missing"
+    if adapter.is_file() and index.stat().st_mtime < adapter.stat().st_mtime:
+        return f"{MERGED_DIR}/ is older than {ADAPTER_WEIGHTS}"
+    return None
+
+
+def remove_stale_merge_lock(output) -> None:
+    """The lock file beside OUTPUT/merged (utils/lock.py) that a merge killed mid-way left: taken
+    and released, which removes it (the OS dropped the dead holder's flock); one that a live
+    process holds (an export into OUTPUT/merged) or a link stays as it is."""
+    from ..utils.lock import lock_beside, lock_path
+
+    merged = Path(output) / MERGED_DIR
+    path = lock_path(merged)
+    if path.is_symlink() or not path.is_file():
+        return
+    try:
+        with lock_beside(merged):
+            pass
+    except LeantuneError:  # held: not stale
+        pass

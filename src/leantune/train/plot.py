@@ -134,6 +134,18 @@ def _reward_panel(ax, prefs: dict) -> None:
     ax.legend(handles=lines, loc="best")
 
 
+def plot_outdated(output: Path) -> bool:
+    """Whether the end of a run would draw OUTPUT/loss.png now: matplotlib is there and the plot
+    is missing or older than metrics.jsonl (a run stopped before its plot was drawn)."""
+    from importlib.util import find_spec
+
+    output = Path(output)
+    metrics, plot = output / "metrics.jsonl", output / PLOT_NAME
+    if find_spec("matplotlib") is None or not metrics.is_file():
+        return False
+    return not plot.is_file() or plot.stat().st_mtime < metrics.stat().st_mtime
+
+
 def plot_after_training(output: Path, log) -> Path | None:
     """Write OUTPUT/loss.png when matplotlib is there; otherwise say once how to get it. The plot
     is a convenience: whatever goes wrong with it is a note, never the failure of a finished

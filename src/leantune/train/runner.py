@@ -16,9 +16,11 @@ eval_loss and eval_<metric>. `objective.prepare` runs once before the first step
 (a fresh run, and again on resume).
 
 The last step is always checkpointed, so a finished run can be resumed (nothing to do) or
-extended (a larger --max-steps / --epochs). Ctrl-C and SIGTERM checkpoint and stop; a NaN / inf
-loss stops the run without writing its result (at the first step, a weight of the checkpoint
-holding NaN / inf is named instead of the learning rate: `_nonfinite_weight`).
+extended (a larger --max-steps / --epochs), and a run stopped after that checkpoint (in its final
+evaluation, save, plot or merge) is finished by --resume: `_already_finished` does what is left.
+Ctrl-C and SIGTERM checkpoint and stop; a NaN / inf loss stops the run without writing its result
+(at the first step, a weight of the checkpoint holding NaN / inf is named instead of the learning
+rate: `_nonfinite_weight`).
 
 `StepRunner` is the base of train/trainer.py's Trainer, whose set-up gives it: cfg, log, output,
 device, parallel, model (and forward_model: the DDP / FSDP2-wrapped one), params, optimizer,
@@ -29,6 +31,7 @@ methods that write what a run keeps: run_settings, save_checkpoint, save_final.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -43,10 +46,10 @@ from ..utils import signals
 from ..utils.io import atomic_write_json, atomic_write_text, refuse_link_at
 from .checkpoint import _rng_state, _set_rng_state, latest_checkpoint
 from .health import diverged_advice
-from .merge_at_end import merge_at_end
+from .merge_at_end import MERGED_DIR, merge_at_end, merge_outdated
 from .metrics import NoMetrics, Progress
 from .output import RUN_CONFIG, final_incomplete, overwrite_stopped_note, resume_hint
-from .plot import plot_after_training
+from .plot import PLOT_NAME, plot_after_training, plot_outdated
 from .reporting import open_reporting
 from .samples import SAMPLES
 from .schedule import lr_factor
@@ -174,7 +177,8 @@ class StepRunner:
         """Run to `total_steps`. With --overwrite the previous run is set aside first, deleted
         at this run's first checkpoint, and put back if the run stops before it."""
         if self.step >= self.total_steps:
-            return self._already_finished()
+            with signals.as_interrupts():
+                return self._already_finished()
         with signals.as_interrupts():
             if self.parallel.writer:
                 self.run_folder.begin(overwrite=self.cfg.overwrite)
@@ -305,12 +309,13 @@ class StepRunner:
             progress.close()
             metrics.close()
             self.engine.unstream(self.model)  # (before the final save: train() does it too)
-        self.save_final()
-        elapsed = time.perf_counter() - t_start
-        if writer:
-            plot_after_training(self.output, self.log)
-            if cfg.merge_at_end:
-                merge_at_end(cfg, self.log)
+        with self._finishing():  # (the last step's checkpoint is written: --resume finishes)
+            self.save_final()
+            elapsed = time.perf_counter() - t_start
+            if writer:
+                plot_after_training(self.output, self.log)
+                if cfg.merge_at_end:
+                    merge_at_end(cfg, self.log)
         return TrainResult(self.step, last_loss, self.first_eval_loss, eval_loss, self.output,
                            tokens_run / max(elapsed, 1e-9), steps_run=self.step - start_step,
                            skipped_steps=skipped)
@@ -408,16 +413,142 @@ class StepRunner:
         return sums
 
     def _already_finished(self) -> TrainResult:
-        """`--resume` of a run that reached its last step: nothing to train. The final adapter
-        (or model) is written from the checkpoint if it is missing or older."""
-        self.log(f"{self.output}: the run already finished at step {self.step}; nothing to do "
-                 "(to train on, --resume with a larger --max-steps or --epochs)")
-        ckpt = latest_checkpoint(self.output)
-        why = final_incomplete(self.output, self.cfg.full, ckpt)
-        if why:
-            self.save_final()
-            self.log(f"wrote the final {'model' if self.cfg.full else 'adapter'} from {ckpt}")
-        return TrainResult(self.step, None, self.first_eval_loss, None, self.output, 0.0)
+        """`--resume` of a run that reached its last step: nothing to train. What a stop after
+        the last checkpoint left undone (`_left_undone`) is done now, as the uninterrupted run
+        does it: the final evaluation, samples, final adapter (or model), loss.png and merged/.
+        A run with nothing left undone is not touched."""
+        todo = self._left_undone()
+        if not any(todo.values()):
+            self.log(f"{self.output}: the run already finished at step {self.step}; nothing to "
+                     "do (to train on, --resume with a larger --max-steps or --epochs)")
+            return TrainResult(self.step, None, self.first_eval_loss, self._final_eval_loss(),
+                               self.output, 0.0)
+        result = "model" if self.cfg.full else "adapter"
+        names = {"eval": "the final evaluation", "samples": "the final samples",
+                 "final": f"the final {result}", "plot": PLOT_NAME, "merge": f"{MERGED_DIR}/"}
+        self.log(f"{self.output}: the run stopped after its last checkpoint (step {self.step}) "
+                 f"before it finished; finishing it: "
+                 f"{', '.join(names[k] for k, undone in todo.items() if undone)}")
+        cfg, writer, ev = self.cfg, self.parallel.writer, {}
+        try:
+            with self._finishing():
+                if todo["eval"]:
+                    self.objective.prepare(self.model, self.loader, self.parallel)  # (its tables)
+                    ev = self.evaluate_metrics()
+                    if writer and ev:
+                        drop_metrics_after(self.output / "metrics.jsonl", self.step)  # (a cut line)
+                        metrics = open_reporting(cfg, start_step=self.step + 1)
+                        try:
+                            metrics.write({"step": self.step, **ev})
+                        finally:
+                            metrics.close()
+                    if ev:
+                        self.log(f"step {self.step}: {eval_text(ev)}")
+                if todo["samples"]:  # (a part of them written: written again)
+                    if writer:
+                        drop_metrics_after(self.output / SAMPLES, self.step - 1)
+                    self.write_samples(_LogLines(self.log))
+                self.engine.unstream(self.model)  # (before the final save, as in _train)
+                if todo["final"]:
+                    self.save_final()
+                    self.log(f"wrote the final {result} from {latest_checkpoint(self.output)}")
+                if writer and todo["plot"]:
+                    plot_after_training(self.output, self.log)
+                if writer and todo["merge"]:
+                    merge_at_end(cfg, self.log)
+        finally:
+            self.engine.unstream(self.model)
+        final = ev.get("eval_loss") if ev else self._final_eval_loss()
+        if self.first_eval_loss is not None and final is not None:
+            self.log(f"eval loss: {self.first_eval_loss:.4f} -> {final:.4f}")
+        return TrainResult(self.step, None, self.first_eval_loss, final, self.output, 0.0)
+
+    def _left_undone(self) -> dict[str, bool]:
+        """What the end of a run that reached its last step still has to do (a stop after the
+        last checkpoint): "eval" (the objective evaluates and metrics.jsonl has no eval record
+        of the last step), "samples" (not all of the last step's), "final" (final files
+        incomplete: output.final_incomplete), "plot" (loss.png missing or older than the
+        metrics), "merge" (--merge-at-end: merged/ missing, cut short or older than the
+        adapter). Read by the writer; under torchrun every process learns its answer (an
+        all-reduce), as every one takes part in the evaluation and the final save."""
+        keys = ("eval", "samples", "final", "plot", "merge")
+        flags = [False] * len(keys)
+        if self.parallel.writer:
+            out, step = self.output, self.step
+            evals = [r for r in _records(out / "metrics.jsonl") if r.get("step") == step
+                     and "eval_loss" in r]
+            samples = [r for r in _records(out / SAMPLES) if r.get("step") == step]
+            final = final_incomplete(out, self.cfg.full, latest_checkpoint(out)) is not None
+            # (an objective that evaluates: the run's first evaluation gave a loss; GRPO's none)
+            flags = [self.eval_loader is not None and self.first_eval_loss is not None
+                     and not evals,
+                     self.samples is not None and len(samples) < len(self.samples.prompts),
+                     final]
+            flags += [flags[0] or plot_outdated(out),  # (a new eval record: drawn again)
+                      bool(self.cfg.merge_at_end) and (final or merge_outdated(out) is not None)]
+        if self.parallel.launched:
+            agreed = torch.tensor(flags, dtype=torch.int32, device=self.device)
+            flags = [bool(f) for f in self.parallel.sum_(agreed).tolist()]
+        return dict(zip(keys, flags))
+
+    def _final_eval_loss(self) -> float | None:
+        """The eval loss of the last step, from metrics.jsonl (None: none there, or not the
+        writer)."""
+        if not self.parallel.writer:
+            return None
+        evals = [r["eval_loss"] for r in _records(self.output / "metrics.jsonl")
+                 if r.get("step") == self.step and "eval_loss" in r]
+        return evals[-1] if evals else None
+
+    @contextlib.contextmanager
+    def _finishing(self):
+        """Around what follows the last step's checkpoint (the final evaluation of a resumed run,
+        the final save, the plot, the merge): a Ctrl-C / SIGTERM there (or the error a library
+        made of one) ends in one line that says so and how to finish (`_stopped_finishing`)."""
+        try:
+            yield
+        except KeyboardInterrupt as interrupt:
+            raise self._stopped_finishing(interrupt) from None
+        except Exception:
+            interrupt = signals.received()
+            if interrupt is None:
+                raise
+            raise self._stopped_finishing(interrupt) from None
+
+    def _stopped_finishing(self, interrupt: KeyboardInterrupt) -> LeantuneError:
+        """The one line for a Ctrl-C / SIGTERM after the last step's checkpoint: nothing trained
+        is lost, and --resume does what the run had left (`_already_finished`)."""
+        how = "the same command again" if self.cfg.resume else resume_hint(self.cfg)
+        err = LeantuneError(f"{signals.describe(interrupt)} after the last step ({self.step}); its "
+                            f"checkpoint {latest_checkpoint(self.output)} is saved; finish the "
+                            f"run with {how}")
+        err.exit_code = signals.exit_code(interrupt)
+        return err
+
+
+class _LogLines:
+    """`log` where the runner writes to its progress (`write`): a resumed run's end has none."""
+
+    def __init__(self, log):
+        self.write = log
+
+
+def _records(path: Path) -> list[dict]:
+    """The JSON records of a .jsonl file (metrics.jsonl, samples.jsonl); a line a crash cut
+    short, or anything not a record, is left out; [] for no file."""
+    try:
+        lines = path.read_text().splitlines()
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    records = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
 
 
 def eval_text(ev: dict[str, float]) -> str:

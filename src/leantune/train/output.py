@@ -7,7 +7,8 @@ any rename or delete (tests kill at each one: utils/faults.py) leaves files that
 the folder puts right before it does anything else (`RunFolder.settle_leftover`).
 
 --overwrite. The previous run's files (`run_files`: its adapter, checkpoints, metrics, samples,
-plot, tensorboard logs, merged/ model, tokenizer files...) are renamed into
+plot, tensorboard logs, merged/ model, tokenizer files, an objective's tables: a preference
+run's precomputed reference log-probs, GRPO's rollouts in progress...) are renamed into
 OUTPUT/.leantune-previous-run, no copy and nothing deleted, under the journal
 OUTPUT/.leantune-overwrite.json, whose phase says what a kill interrupted:
     moving     setting the files aside       -> put back what was moved
@@ -42,7 +43,9 @@ from ..utils import signals
 from ..utils.io import atomic_write_json, fsync_dir, remove, replace
 from ..utils.lock import lock_run
 from .checkpoint import CKPT_DIR, check_resume_settings, latest_checkpoint, refuse_pickled
-from .merge_at_end import MERGED_DIR
+from .merge_at_end import MERGED_DIR, remove_stale_merge_lock
+from .objectives.grpo import ROLLOUTS_FILE
+from .objectives.preference import REFERENCE_FILE
 from .plot import PLOT_NAME
 from .reporting import TENSORBOARD_DIR
 from .samples import SAMPLES
@@ -51,6 +54,9 @@ RUN_CONFIG = "run_config.json"  # the run's settings (Trainer.run_settings)
 FINAL_JOURNAL = ".leantune-final-save.json"  # there while the final save is incomplete
 RUN_MARKERS = ("adapter_config.json", "adapter_model.safetensors", "metrics.jsonl", CKPT_DIR,
                FULL_INDEX, RUN_CONFIG, FINAL_JOURNAL)
+# what an objective keeps in the run folder: a new run must compute its own (a preference
+# run's reference log-probs are refused when they are another data's, not recomputed)
+OBJECTIVE_FILES = (REFERENCE_FILE, ROLLOUTS_FILE)
 # markers of a run that has something to keep (a checkpoint, or a final result)
 RESULT_MARKERS = ("adapter_config.json", "adapter_model.safetensors", FULL_INDEX, FINAL_JOURNAL)
 SET_ASIDE = ".leantune-previous-run"
@@ -60,9 +66,10 @@ _STALE = re.compile(r"\..+\.tmp-\d+-[0-9a-f]{8}|\.save-\d+-[0-9a-f]{8}")
 
 def run_files(output: Path) -> list[Path]:
     """The files and folders of a run in `output` (what --overwrite replaces): its markers,
-    samples, plot, tensorboard logs, merged model, the tokenizer files, and a full fine-tune's
-    config and shards. Other files are left alone."""
-    names = [*RUN_MARKERS, SAMPLES, PLOT_NAME, TENSORBOARD_DIR, MERGED_DIR, *TOKENIZER_FILES]
+    samples, plot, tensorboard logs, merged model, the objectives' files, the tokenizer files,
+    and a full fine-tune's config and shards. Other files are left alone."""
+    names = [*RUN_MARKERS, SAMPLES, PLOT_NAME, TENSORBOARD_DIR, MERGED_DIR, *OBJECTIVE_FILES,
+             *TOKENIZER_FILES]
     if (output / FULL_INDEX).exists():
         names.append("config.json")
     found = [output / n for n in names if (output / n).exists() or (output / n).is_symlink()]
@@ -175,6 +182,7 @@ class RunFolder:
                    else [])]
         for p in found:
             remove(p)
+        remove_stale_merge_lock(self.output)
 
     def check(self, resume: bool, overwrite: bool, cfg=None) -> None:
         """Refuse to clobber a previous run unless --overwrite or --resume; --resume needs a

@@ -250,7 +250,10 @@ class Trainer(StepRunner):
                         "--no-fused-layers" if not options.fused_layers else
                         self.engine.fused_unsupported(m))
         if autograd_why is not None and not (cfg.compile or not options.fused_layers):
-            self.log(f"note: the layers run under autograd, not leantune's fused layers "
+            # (on the CPU every run's layers run under autograd: said as what a GPU would do)
+            where = ("the layers run" if cuda else
+                     "on a GPU the layers would run (on the CPU every run's do)")
+            self.log(f"note: {where} under autograd, not leantune's fused layers "
                      f"({autograd_why}): slower and more activation memory (Llama-3.1-8B on an "
                      f"H200: 11.5k tok/s at 19.0 GiB instead of 14.2k at 16.7 GiB); "
                      + _fused_path_hint(autograd_why))

@@ -15,6 +15,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
+from helpers import in_child
 from helpers import one_torch_thread  # noqa: F401  (autouse)
 from helpers import alpaca_file, tiny_ckpt  # noqa: F401  (fixtures)
 from helpers import quiet, run_cli, train_cfg
@@ -22,37 +23,11 @@ from helpers import quiet, run_cli, train_cfg
 from leantune.errors import LeantuneError
 from leantune.train import runner
 from leantune.train.trainer import Trainer
-from leantune.utils import faults
 from leantune.utils.lock import lock_path
 from leantune.utils.signals import Terminated
 
 TIMING = ("tokens_per_s", "step_time_s", "peak_mem_gib")  # (differ from run to run)
 PLOTS = find_spec("matplotlib") is not None  # (loss.png: written when matplotlib is installed)
-
-
-def in_child(fn, kill_at: int | None = None, trace: Path | None = None) -> int | str:
-    """Run `fn` in a forked child with the kill hook set: "killed" if it died by SIGKILL, else
-    its exit code (0: `fn` returned, 1: it raised)."""
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            faults.reset()
-            if kill_at is not None:
-                os.environ["LEANTUNE_KILL_AT"] = str(kill_at)
-            if trace is not None:
-                os.environ["LEANTUNE_FAULT_TRACE"] = str(trace)
-            fn()
-            code = 0
-        except BaseException:
-            code = 1
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    if os.WIFSIGNALED(status):
-        assert os.WTERMSIG(status) == signal.SIGKILL
-        return "killed"
-    return os.WEXITSTATUS(status)
 
 
 def records(out: Path, name: str = "metrics.jsonl") -> list[dict]:
@@ -209,11 +184,22 @@ def test_a_stale_merge_lock_of_a_dead_process_is_removed(cfg, reference, tmp_pat
 # --- Ctrl-C / SIGTERM after the last step ----------------------------------------------------
 
 def interrupt_at(monkeypatch, where: str, interrupt=KeyboardInterrupt):
-    """Raise `interrupt` in the final save, the plot or the merge (once)."""
+    """Raise `interrupt` in the metrics' closing after the last step (wandb's finish takes
+    seconds), the final save, the plot or the merge (once)."""
     def stop(*_a, **_kw):
         raise interrupt()
 
-    if where == "final save":
+    if where == "metrics close":
+        real = runner.open_reporting
+
+        def reporting(*a, **kw):
+            metrics = real(*a, **kw)
+            close = metrics.close
+            metrics.close = lambda: (close(), stop())  # (closed, then the Ctrl-C)
+            return metrics
+
+        monkeypatch.setattr(runner, "open_reporting", reporting)
+    elif where == "final save":
         monkeypatch.setattr(Trainer, "save_final", stop)
     else:
         monkeypatch.setattr(runner, "plot_after_training" if where == "plot" else "merge_at_end",
@@ -230,7 +216,7 @@ def stopped(fn) -> BaseException:
     raise AssertionError("it did not stop")
 
 
-@pytest.mark.parametrize("where", ["final save", "plot", "merge"])
+@pytest.mark.parametrize("where", ["metrics close", "final save", "plot", "merge"])
 def test_ctrl_c_after_the_last_step_says_how_to_finish(cfg, reference, tmp_path, monkeypatch,
                                                        where):
     want, _ = reference
@@ -246,6 +232,24 @@ def test_ctrl_c_after_the_last_step_says_how_to_finish(cfg, reference, tmp_path,
     assert e.exit_code == 130
     resume(run)
     check_finished_like(out, want, where)
+
+
+def test_a_finished_run_without_its_plot_is_finished_and_the_plot_drawn(cfg, reference,
+                                                                         tmp_path):
+    """loss.png missing (a stop in the plot, or a plot that failed and wrote none) is no sign of
+    an unfinished run: a resume says it finished, and draws the plot where matplotlib is."""
+    want, _ = reference
+    run = dataclasses.replace(cfg, output=str(tmp_path / "run"))
+    Trainer(run, log=quiet).train()
+    out = Path(run.output)
+    (out / "loss.png").unlink(missing_ok=True)
+    logs = []
+    resume(run, logs)
+    assert any(line.startswith(f"{out}: the run already finished at step 2; nothing to do")
+               for line in logs), logs
+    assert not any("stopped after its last checkpoint" in line for line in logs), logs
+    assert (out / "loss.png").is_file() == PLOTS
+    check_finished_like(out, want, "plot deleted")
 
 
 def test_ctrl_c_while_a_resume_finishes_says_the_same_command_again(cfg, tmp_path, monkeypatch):

@@ -209,6 +209,7 @@ class StepRunner:
         tokens_run, start_step = 0, self.step
         self.watch.good_until = self.step
         step_start = None
+        completed = False  # the loop ran to the last step (its checkpoint is written)
         try:
             # the objective's set-up over the data (a fresh run and each resume)
             self.objective.prepare(self.model, self.loader, self.parallel)
@@ -298,6 +299,7 @@ class StepRunner:
                 progress.write(f"note: the fp16 loss scaler skipped {skipped} of "
                                f"{self.step - start_step} updates (gradient overflow: it skips "
                                "the update and lowers the scale, by design)")
+            completed = True
         except KeyboardInterrupt as interrupt:
             try:
                 progress.close()
@@ -306,10 +308,14 @@ class StepRunner:
                 err = self._stopped_again(interrupt)
             raise err from None
         finally:
-            progress.close()
-            metrics.close()
-            self.engine.unstream(self.model)  # (before the final save: train() does it too)
+            if not completed:
+                progress.close()
+                metrics.close()
+                self.engine.unstream(self.model)
         with self._finishing():  # (the last step's checkpoint is written: --resume finishes)
+            progress.close()
+            metrics.close()  # (wandb's finish can take seconds: a Ctrl-C there is this one)
+            self.engine.unstream(self.model)  # (before the final save: train() does it too)
             self.save_final()
             elapsed = time.perf_counter() - t_start
             if writer:
@@ -421,6 +427,8 @@ class StepRunner:
         if not any(todo.values()):
             self.log(f"{self.output}: the run already finished at step {self.step}; nothing to "
                      "do (to train on, --resume with a larger --max-steps or --epochs)")
+            if self.parallel.writer and plot_outdated(self.output):  # (a stop in the plot)
+                plot_after_training(self.output, self.log)
             return TrainResult(self.step, None, self.first_eval_loss, self._final_eval_loss(),
                                self.output, 0.0)
         result = "model" if self.cfg.full else "adapter"
@@ -468,9 +476,10 @@ class StepRunner:
         last checkpoint): "eval" (the objective evaluates and metrics.jsonl has no eval record
         of the last step), "samples" (not all of the last step's), "final" (final files
         incomplete: output.final_incomplete), "plot" (loss.png missing or older than the
-        metrics), "merge" (--merge-at-end: merged/ missing, cut short or older than the
-        adapter). Read by the writer; under torchrun every process learns its answer (an
-        all-reduce), as every one takes part in the evaluation and the final save."""
+        metrics, beside something else undone), "merge" (--merge-at-end: merged/ missing, cut
+        short or older than the adapter). Read by the writer; under torchrun every process
+        learns its answer (an all-reduce), as every one takes part in the evaluation and the
+        final save."""
         keys = ("eval", "samples", "final", "plot", "merge")
         flags = [False] * len(keys)
         if self.parallel.writer:
@@ -484,8 +493,10 @@ class StepRunner:
                      and not evals,
                      self.samples is not None and len(samples) < len(self.samples.prompts),
                      final]
-            flags += [flags[0] or plot_outdated(out),  # (a new eval record: drawn again)
-                      bool(self.cfg.merge_at_end) and (final or merge_outdated(out) is not None)]
+            merge = bool(self.cfg.merge_at_end) and (final or merge_outdated(out) is not None)
+            # (a new eval record: drawn again; an old plot alone is no sign of a stop, as a plot
+            # that failed writes none: `_already_finished` redraws it quietly)
+            flags += [flags[0] or (plot_outdated(out) and (any(flags) or merge)), merge]
         if self.parallel.launched:
             agreed = torch.tensor(flags, dtype=torch.int32, device=self.device)
             flags = [bool(f) for f in self.parallel.sum_(agreed).tolist()]

@@ -1,9 +1,10 @@
 """`--sample-prompts`: a few completions at each evaluation, so the user sees the model change.
 
 The first MAX_PROMPTS prompts of the file (rows as `leantune generate --prompts` reads them:
-`{"prompt": text}` rows asked in the prompt format of the data being trained on) are completed greedily by the model as trained so far (LoRA unmerged, eval mode, no gradients) before
-training, at every evaluation and at the end; each completion is appended to
-OUTPUT/samples.jsonl as {"step", "prompt", "completion"}.
+`{"prompt": text}` rows asked in the prompt format of the data being trained on) are completed
+greedily by the model as trained so far (LoRA unmerged, eval mode, no gradients) before training, at
+every evaluation and at the end; each completion is appended to OUTPUT/samples.jsonl as {"step",
+"prompt", "completion"}.
 """
 
 from __future__ import annotations
@@ -24,16 +25,18 @@ class SampleWriter:
     context)."""
 
     def __init__(self, path: str, tokenizer, output: Path, max_new_tokens: int,
-                 model_config=None, log=print, trained_as: str | None = None):
+                 model_config=None, log=print, trained_as: str | None = None,
+                 rows: list | None = None):
         """trained_as: the prompt format of the training data (prompts.TRAINED_AS; None: the
-        tokenizer's default, as generate's for a run that says none)."""
+        tokenizer's default, as generate's for a run that says none). rows: the file's rows as
+        read_prompt_file read them (read here when None)."""
         from ..generate.context import PromptTooLong, fit_to_context
         from ..generate.prompts import (in_format, prompt_ids, read_prompt_file,
                                         resolve_prompt_format)
 
         if tokenizer is None:
             raise LeantuneError("--sample-prompts needs the model's tokenizer")
-        rows = read_prompt_file(path)[:MAX_PROMPTS]
+        rows = (read_prompt_file(path) if rows is None else rows)[:MAX_PROMPTS]
         self.prompts = [prompt for _, prompt, _ in rows]  # (as the file has them)
         rows = in_format(rows, resolve_prompt_format(None, trained_as, tokenizer))
         self.ids = [prompt_ids(tokenizer, prompt, where) for _, prompt, where in rows]

@@ -24,7 +24,7 @@ from ..data.sources import check_source
 from ..dist.data import RankLoader
 from ..dist.parallel import Parallel
 from ..errors import LeantuneError
-from ..generate.prompts import TRAINED_AS
+from ..generate.prompts import TRAINED_AS, read_prompt_file
 from ..lora import apply_lora, save_adapter
 from ..lora.base_check import base_name_to_record, model_fingerprint
 from ..lora.params import count_parameters
@@ -159,13 +159,15 @@ class Trainer(StepRunner):
         self.objective = objective_for(cfg, self.log)
         model_config = (model.config if model is not None
                         else ModelConfig.from_file(model_dir / "config.json"))
+        # a bad --sample-prompts file is refused before the data is tokenized; its prompts are
+        # tokenized after ({"prompt": text} rows are asked in the layout trained on)
+        sample_rows = read_prompt_file(cfg.sample_prompts) if cfg.sample_prompts else None
         vocab = model_config.vocab_size
         self._setup_data(train_data, eval_data, vocab)
-        # (after the data: {"prompt": text} rows are asked in the layout trained on; before the
-        # weights load, so a bad file is still refused early)
         self.samples = (SampleWriter(cfg.sample_prompts, self.tokenizer, self.output,
                                      cfg.sample_max_new_tokens, model_config, self.log,
-                                     TRAINED_AS.get(getattr(self.train_data, "format", None)))
+                                     TRAINED_AS.get(getattr(self.train_data, "format", None)),
+                                     rows=sample_rows)
                         if cfg.sample_prompts else None)
         weights, self.prequantized = None, False
         if model is None:

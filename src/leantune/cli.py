@@ -323,7 +323,7 @@ def cmd_generate(args) -> int:
             else [({"prompt": args.prompt}, args.prompt, "--prompt")])
     asked = ({True: "chat", False: "text"}[args.chat_template]
              if args.chat_template is not None else args.prompt_format)
-    if args.prompts and asked and not has_typed(rows):
+    if args.prompts and asked not in (None, "auto") and not has_typed(rows):
         flag = "--prompt-format" if args.prompt_format else "--chat-template / --no-chat-template"
         raise LeantuneError(f"{flag} applies to --prompt and to {{\"prompt\": text}} rows; "
                             f"{args.prompts} has none ('messages' rows use the chat template, "

@@ -155,6 +155,10 @@ def test_prompt_format_errors(capsys, trained, tmp_path):
                          *GEN) == (
             f"{name} applies to --prompt and to {{\"prompt\": text}} rows; {messages} has none "
             "('messages' rows use the chat template, alpaca rows its prompt): leave it out")
+    # auto is the default: said or not, nothing to refuse
+    rc, _, err = run_cli(capsys, "generate", "--adapter", trained, "--prompts", messages,
+                         "--prompt-format", "auto", *GEN)
+    assert rc == 0, err
     assert "not both" in cli_error(capsys, "generate", "--adapter", trained, "--prompt", "w5",
                                    "--prompt-format", "alpaca", "--chat-template", *GEN)
     # a system message needs turns: refused (after the notes) before the weights load
@@ -201,3 +205,17 @@ def test_chat_templates_render_in_the_sandbox(capsys, trained, tmp_path):
     msg = cli_error(capsys, "generate", "--model", base, "--adapter", folder, "--prompt", "w5",
                     "--prompt-format", "chat", *GEN)
     assert "builds too large a text" in msg
+
+
+def test_a_base_with_only_tokenizer_config_takes_the_runs_tokenizer(trained, tiny_ckpt, tmp_path):  # noqa: F811
+    """A base folder whose tokenizer_config.json has no vocabulary file beside it: generate takes
+    the copy the run folder keeps, as for a base without tokenizer files."""
+    from leantune.generate.load import locate
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_ckpt, base)
+    (base / "tokenizer.json").unlink()
+    assert (base / "tokenizer_config.json").is_file()
+    src = locate(str(base), str(trained), "cpu", None, log=lambda _: None)
+    assert src.tokenizer("w5 w6").input_ids and len(src.tokenizer) > 100
+

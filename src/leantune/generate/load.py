@@ -104,7 +104,7 @@ def locate(model: str | None, adapter: str | None, device: str | None = None,
     from ..lora.base_check import check_base
     from ..model.loader import DTYPES, default_dtype, resolve_checkpoint
     from ..train.preflight import check_weights
-    from ..train.trainer import load_tokenizer, resolve_device
+    from ..train.trainer import VOCAB_FILES, load_tokenizer, resolve_device
 
     from .prompts import trained_prompt_format
 
@@ -126,7 +126,7 @@ def locate(model: str | None, adapter: str | None, device: str | None = None,
         lora = adapter_source(adapter_dir, log=lambda _: None)
         check_base(lora[1], model, folder, force=force_base, log=log)
     # the base's tokenizer; a run folder keeps a copy for a base that has none
-    has_own = any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
+    has_own = any((folder / f).exists() for f in VOCAB_FILES)  # (its vocabulary: trainer's)
     tokenizer = load_tokenizer(str(folder if has_own or adapter_dir is None else adapter_dir))
     return Located(folder, lora, dev, DTYPES[dtype] if dtype else default_dtype(dev), tokenizer,
                    trained_prompt_format(adapter_dir if adapter_dir is not None else folder),

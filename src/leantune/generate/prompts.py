@@ -8,10 +8,11 @@ through the tokenizer's chat template with the assistant's turn opened
 row is its instruction prompt.
 
 A typed prompt (`generate --prompt`, a `chat` line, a `{"prompt": text}` row of a prompts file:
-`TypedText`) takes the *prompt format* the run was trained with (run_config.json, `trained_prompt_format`): a run on alpaca rows is asked in the
-alpaca prompt, a run on messages through the chat template, a run on text with the text as it is;
-`--prompt-format` overrides it. A model fine-tuned on one layout answers poorly in another (the
-demo, trained on alpaca prompts, answered no capital through the chat template).
+`TypedText`) takes the *prompt format* the run was trained with (run_config.json,
+`trained_prompt_format`): a run on alpaca rows is asked in the alpaca prompt, a run on messages
+through the chat template, a run on text with the text as it is; `--prompt-format` overrides it. A
+model fine-tuned on one layout answers poorly in another (the demo, trained on alpaca prompts,
+answered no capital through the chat template).
 """
 
 from __future__ import annotations

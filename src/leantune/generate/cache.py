@@ -105,17 +105,17 @@ class KVCache:
 
 
 def check_fits(cfg: ModelConfig, batch: int, slots: int, dtype: torch.dtype,
-               device: torch.device, hint: FitHint | None = None) -> None:
+               device: torch.device) -> None:
     """A one-line error when the buffers of a KVCache(cfg, batch, slots) cannot fit in the
-    device's free memory (nothing said where that is unknown), naming `hint`'s flags (default:
-    the `fit_hint` in force, else generate's)."""
+    device's free memory (nothing said where that is unknown), naming the flags of the
+    `fit_hint` in force (else generate's)."""
     from ..engine.planner import kv_cache_bytes
 
     need = kv_cache_bytes(cfg, batch, slots, dtype.itemsize)
     free = free_bytes(device)
     if free is None or need <= free:
         return
-    hint = hint or _HINT.get()
+    hint = _HINT.get()
     raise LeantuneError(
         f"generating {batch} {hint.rows}{'s' if batch > 1 else ''} together needs a KV cache of "
         f"{_gib(need)} ({slots:,} positions a row: the longest prompt and its completion), and "

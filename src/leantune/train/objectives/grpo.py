@@ -48,6 +48,7 @@ import torch
 
 from ...batch import PackedBatch
 from ...errors import LeantuneError
+from ...generate.cache import FitHint
 from ..losses import grpo as L
 from .base import MicroLoss, Objective
 
@@ -55,10 +56,10 @@ ROLLOUTS_FILE = "grpo_rollouts.safetensors"
 SUM_METRICS = ("clip", "clip_low", "clip_high", "kl", "tokens")
 # a rollouts' KV cache too large for free memory names these flags (generate/cache.py); its rows
 # are --batch-size x --num-generations, its slots the longest prompt + --max-completion-tokens
-ROLLOUT_FIT = ("completion", "give fewer prompts a micro-batch (--batch-size; a larger "
-               "--grad-accum keeps the prompts a step) or fewer completions per prompt "
-               "(--num-generations), shorter prompts (--max-prompt-len) or fewer "
-               "--max-completion-tokens")
+ROLLOUT_FIT = FitHint("completion", "give fewer prompts a micro-batch (--batch-size; a larger "
+                      "--grad-accum keeps the prompts a step) or fewer completions per prompt "
+                      "(--num-generations), shorter prompts (--max-prompt-len) or fewer "
+                      "--max-completion-tokens")
 
 
 @dataclass
@@ -258,7 +259,7 @@ class GRPOObjective(Objective):
     def generate_window(self, model, prompt_batches, gen_step: int, runner=None
                         ) -> list[RolloutBatch]:
         """Sample, score and pack the window's rollouts (module docstring)."""
-        from ...generate.cache import FitHint, fit_hint
+        from ...generate.cache import fit_hint
         from ...generate.decode import LENGTH, decode
         from ...generate.sampling import Sampling
         from ...generate.text import default_eos_ids
@@ -275,7 +276,7 @@ class GRPOObjective(Objective):
         for i, pb in enumerate(prompt_batches):
             ids = [item.ids for item in pb.items for _ in range(G)]
             seed = (cfg.seed * 1_000_003 + gen_step * 1009 + i) % (2**63)
-            with fit_hint(FitHint(*ROLLOUT_FIT)):  # (a cache too large: GRPO's flags)
+            with fit_hint(ROLLOUT_FIT):  # (a cache too large: GRPO's flags)
                 done = decode(model, ids, s.max_completion_tokens,
                               Sampling(temperature=s.temperature, top_p=s.top_p, seed=seed),
                               self.eos_ids, cuda_graphs=True,

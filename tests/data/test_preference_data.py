@@ -89,6 +89,7 @@ def test_kto_rows(tokenizer, label, expected):
     ({"prompt": "p", "chosen": "same", "rejected": "same"}, ":3: the chosen and rejected "
                                                             "completions are identical"),
     ({"prompt": "p", "chosen": "c"}, ":3: missing field 'rejected'"),
+    ({"prompt": "p", "chosen": "c", "rejected": None}, ":3: field 'rejected' is null"),
     ({"prompt": "p", "chosen": [bot("a")], "rejected": "b"}, ":3: field 'chosen' must be a string"),
 ])
 def test_bad_rows_name_file_and_line(tokenizer, tmp_path, bad, message):

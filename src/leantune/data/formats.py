@@ -114,11 +114,16 @@ def detect_format(rows: Sequence[dict], source: str | os.PathLike | None = None,
 # Helpers
 # --------------------------------------------------------------------------------------------
 
-def _missing(where: str, fmt: str, field: str, row: dict | None = None) -> LeantuneError:
-    """A required field absent, or null (said so: the row has it, with no value)."""
-    what = (f"field {field!r} is null" if row is not None and field in row
+def absent(row: dict | None, field: str) -> str:
+    """How a required field without a value is said: "missing field 'x'", or "field 'x' is
+    null" where the row has it (a null in JSON; a dataset's rows share its columns)."""
+    return (f"field {field!r} is null" if row is not None and field in row
             else f"missing field {field!r}")
-    return LeantuneError(f"{where}: {what}; the {fmt} format needs {FORMAT_NEEDS[fmt]}")
+
+
+def _missing(where: str, fmt: str, field: str, row: dict | None = None) -> LeantuneError:
+    return LeantuneError(f"{where}: {absent(row, field)}; the {fmt} format needs "
+                         f"{FORMAT_NEEDS[fmt]}")
 
 
 def _text_field(row: dict, key: str, fmt: str, where: str, required: bool = True) -> str:

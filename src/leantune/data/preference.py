@@ -35,7 +35,7 @@ import torch
 
 from leantune.batch import IGNORE_INDEX, PackedBatch, shift_labels
 from leantune.data.files import Location, format_location
-from leantune.data.formats import _encode, _is_blank_token
+from leantune.data.formats import _encode, _is_blank_token, absent
 from leantune.data.packing import pack_first_fit_decreasing
 from leantune.data.sources import load_rows
 from leantune.errors import LeantuneError
@@ -93,14 +93,14 @@ def detect_kind(row: dict, where: str) -> tuple[str, str]:
     return kind, "conversational" if isinstance(sample, list) else "strings"
 
 
-def _missing(where: str, kind: str, key: str) -> LeantuneError:
-    return LeantuneError(f"{where}: missing field {key!r}; {kind} rows need {_NEEDS[kind]}")
+def _missing(where: str, kind: str, key: str, row: dict | None = None) -> LeantuneError:
+    return LeantuneError(f"{where}: {absent(row, key)}; {kind} rows need {_NEEDS[kind]}")
 
 
 def _text(row: dict, key: str, kind: str, where: str) -> str:
     value = row.get(key)
     if value is None:
-        raise _missing(where, kind, key)
+        raise _missing(where, kind, key, row)
     if not isinstance(value, str):
         raise LeantuneError(f"{where}: field {key!r} must be a string in this file (its first "
                             f"row uses strings), got {type(value).__name__}")
@@ -110,7 +110,7 @@ def _text(row: dict, key: str, kind: str, where: str) -> str:
 def _messages(row: dict, key: str, kind: str, where: str) -> list[dict]:
     value = row.get(key)
     if value is None:
-        raise _missing(where, kind, key)
+        raise _missing(where, kind, key, row)
     if not isinstance(value, list) or not value:
         raise LeantuneError(f"{where}: field {key!r} must be a non-empty list of "
                             "{'role', 'content'} messages in this file (its first row uses "
@@ -130,7 +130,7 @@ def _label(row: dict, where: str) -> bool:
     if isinstance(value, str) and value.strip().lower() in _LABELS:  # CSV cells are text
         return _LABELS[value.strip().lower()]
     if value is None:
-        raise _missing(where, "kto", "label")
+        raise _missing(where, "kto", "label", row)
     raise LeantuneError(f"{where}: field 'label' must be true or false, got {value!r}")
 
 

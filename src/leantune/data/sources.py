@@ -16,7 +16,7 @@ folder of one dataset has neither.
 
 `datasets` is an optional dependency, imported only here and only when needed. Rows from it carry
 the location ``"row N"`` under the source label ``org/name[split]``, so errors read
-``org/name[train] (row 17): missing field 'output'``.
+``org/name[train] (row 17): field 'output' is null`` (a dataset's rows share its columns).
 """
 
 from __future__ import annotations

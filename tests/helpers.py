@@ -747,3 +747,45 @@ def save_mxfp4_gpt_oss(folder: Path, seed: int = 0, config=None):
     (folder / "config.json").write_text(json.dumps(config))
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     return hf
+
+
+# --- kill points (utils/faults.py): a write sequence killed in a forked child ----------------------
+
+def in_child(fn, kill_at: int | None = None, trace: Path | None = None) -> int | str:
+    """Run `fn` in a forked child with the kill hook set; "killed" if it died at the kill
+    point, else its exit code (0: `fn` returned, 1: it raised)."""
+    import os
+    import signal
+
+    from leantune.utils import faults
+
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        code = 1
+        try:
+            faults.reset()
+            if kill_at is not None:
+                os.environ["LEANTUNE_KILL_AT"] = str(kill_at)
+            if trace is not None:
+                os.environ["LEANTUNE_FAULT_TRACE"] = str(trace)
+            fn()
+            code = 0
+        except BaseException:
+            code = 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        assert os.WTERMSIG(status) == signal.SIGKILL
+        return "killed"
+    return os.WEXITSTATUS(status)
+
+
+def kill_points(fn, tmp_path: Path) -> list[str]:
+    """The kill points `fn` passes (utils/faults.py's trace), in order, run in a child."""
+    trace = tmp_path / "trace.txt"
+    trace.unlink(missing_ok=True)
+    assert in_child(fn, trace=trace) == 0
+    points = [line.split("\t", 1)[1] for line in trace.read_text().splitlines()]
+    assert points
+    return points

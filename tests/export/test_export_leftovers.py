@@ -15,7 +15,10 @@ from helpers import one_torch_thread  # noqa: F401  (autouse)
 from helpers import quiet, save_random_adapter, tiny_ckpt  # noqa: F401
 
 from leantune import LeantuneError, export_merged
-from leantune.export.merge import _is_export_file, _journal, _journal_text, _stage_names
+from leantune.export.publish import is_merged_file as _is_export_file
+from leantune.export.publish import journal_path as _journal
+from leantune.export.publish import journal_text as _journal_text
+from leantune.export.publish import stage_names as _stage_names
 
 
 def tree(folder: Path) -> dict[str, bytes | None]:

@@ -15,10 +15,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 from pathlib import Path
 
 import pytest
+from helpers import in_child, kill_points
 from helpers import one_torch_thread  # noqa: F401  (autouse)
 from helpers import quiet, save_random_adapter, tiny_ckpt  # noqa: F401
 
@@ -27,42 +27,6 @@ gguf = pytest.importorskip("gguf")
 from leantune import LeantuneError, export_merged  # noqa: E402
 from leantune.export import export_gguf, export_gguf_lora  # noqa: E402
 from leantune.export.publish import journal_path, journal_text, stage_names  # noqa: E402
-from leantune.utils import faults  # noqa: E402
-
-
-def in_child(fn, kill_at: int | None = None, trace: Path | None = None) -> int | str:
-    """Run `fn` in a forked child with the kill hook set; "killed" if it died at the kill
-    point, else its exit code (0: `fn` returned, 1: it raised)."""
-    pid = os.fork()
-    if pid == 0:  # the child: never returns
-        code = 1
-        try:
-            faults.reset()
-            if kill_at is not None:
-                os.environ["LEANTUNE_KILL_AT"] = str(kill_at)
-            if trace is not None:
-                os.environ["LEANTUNE_FAULT_TRACE"] = str(trace)
-            fn()
-            code = 0
-        except BaseException:
-            code = 1
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    if os.WIFSIGNALED(status):
-        assert os.WTERMSIG(status) == signal.SIGKILL
-        return "killed"
-    return os.WEXITSTATUS(status)
-
-
-def kill_points(fn, tmp_path: Path) -> list[str]:
-    trace = tmp_path / "trace.txt"
-    trace.unlink(missing_ok=True)
-    assert in_child(fn, trace=trace) == 0
-    points = [line.split("\t", 1)[1] for line in trace.read_text().splitlines()]
-    trace.unlink()
-    assert points
-    return points
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:

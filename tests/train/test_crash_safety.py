@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import in_child, kill_points
 from helpers import one_torch_thread  # noqa: F401  (autouse)
 from helpers import alpaca_file, tiny_ckpt  # noqa: F401
 from helpers import quiet, train_cfg
@@ -26,41 +27,6 @@ from leantune.errors import LeantuneError
 from leantune.train.checkpoint import latest_checkpoint
 from leantune.train.output import FINAL_JOURNAL, JOURNAL, SET_ASIDE, RunFolder
 from leantune.train.trainer import Trainer
-from leantune.utils import faults
-
-
-def in_child(fn, kill_at: int | None = None, trace: Path | None = None) -> int | str:
-    """Run `fn` in a forked child with the kill hook set; "killed" if it died at the kill
-    point, else its exit code (0: `fn` returned, 1: it raised)."""
-    pid = os.fork()
-    if pid == 0:  # the child: never returns
-        code = 1
-        try:
-            faults.reset()
-            if kill_at is not None:
-                os.environ["LEANTUNE_KILL_AT"] = str(kill_at)
-            if trace is not None:
-                os.environ["LEANTUNE_FAULT_TRACE"] = str(trace)
-            fn()
-            code = 0
-        except BaseException:
-            code = 1
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    if os.WIFSIGNALED(status):
-        assert os.WTERMSIG(status) == signal.SIGKILL
-        return "killed"
-    return os.WEXITSTATUS(status)
-
-
-def kill_points(fn, tmp_path: Path) -> list[str]:
-    trace = tmp_path / "trace.txt"
-    trace.unlink(missing_ok=True)
-    assert in_child(fn, trace=trace) == 0
-    points = [line.split("\t", 1)[1] for line in trace.read_text().splitlines()]
-    assert points
-    return points
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
@@ -227,7 +193,7 @@ def test_a_kill_at_any_point_of_an_export_never_loses_it(tiny_ckpt, alpaca_file,
         out = tmp_path / f"out{n}"
         shutil.copytree(template, out)
         assert in_child(export(out), kill_at=n) == "killed", label
-        from leantune.export.merge import recover_publish
+        from leantune.export.publish import recover_publish
 
         recover_publish(out)  # what the next export does first
         assert snapshot(out) in (old, new), f"kill at {n} ({label})"
@@ -257,7 +223,7 @@ def test_links_planted_at_the_export_stage_names_are_removed_not_followed(tiny_c
     """The fixed names beside the output (`.out.leantune-tmp`, `.out.leantune-old`) holding
     links to a user's folder: the export removes the links and writes nothing there."""
     from leantune.export import export_merged
-    from leantune.export.merge import _stage_names
+    from leantune.export.publish import stage_names as _stage_names
 
     out = tmp_path / "out"
     export_merged(tiny_ckpt, None, out, log=quiet)

@@ -52,12 +52,6 @@ from ..utils.lock import lock_beside
 from ..utils.paths import check_output_folder
 from .full import copy_side_files, set_config_dtype
 from .publish import open_output, publishing
-# (the publish machinery's names that callers and tests import from here)
-from .publish import is_merged_file as _is_export_file  # noqa: F401
-from .publish import journal_path as _journal  # noqa: F401
-from .publish import journal_text as _journal_text  # noqa: F401
-from .publish import recover_publish  # noqa: F401
-from .publish import stage_names as _stage_names  # noqa: F401
 from .serving import write_generation_config
 from .shards import write_sharded
 

@@ -45,12 +45,12 @@ def merge_at_end(cfg, log) -> Path:
 def merge_outdated(output) -> str | None:
     """Why OUTPUT/merged must be written (again) to finish a --merge-at-end run, or None: it is
     missing, a merge into it was cut short, or it is older than the adapter it merges."""
-    from ..export.merge import _journal
+    from ..export.publish import journal_path
     from ..export.shards import INDEX
     from ..lora.peft_io import ADAPTER_WEIGHTS
 
     merged = Path(output) / MERGED_DIR
-    if _journal(merged).exists():
+    if journal_path(merged).exists():
         return "its merge was cut short"
     index, adapter = merged / INDEX, Path(output) / ADAPTER_WEIGHTS
     if not index.is_file():

@@ -789,3 +789,17 @@ def kill_points(fn, tmp_path: Path) -> list[str]:
     points = [line.split("\t", 1)[1] for line in trace.read_text().splitlines()]
     assert points
     return points
+
+
+def one_pair_changed(pairs: Path, out: Path, line: int = 5) -> Path:
+    """A copy of conversational preference file `pairs` at `out` with the chosen answer of row
+    `line` (0-based) changed: the same number of pairs, one of them other data."""
+    import json
+
+    rows = Path(pairs).read_text().splitlines()
+    r = json.loads(rows[line])
+    r["chosen"][0]["content"] = "A different answer."
+    rows[line] = json.dumps(r)
+    out.write_text("\n".join(rows) + "\n")
+    return out
+

@@ -4,8 +4,7 @@ run computes its own, and a new run stopped before its first checkpoint puts the
 
 from __future__ import annotations
 
-import json
-
+from helpers import one_pair_changed
 from helpers import one_torch_thread, run_cli  # noqa: F401  (autouse)
 
 from leantune import assets
@@ -44,12 +43,7 @@ def test_overwrite_of_a_precompute_reference_run_with_other_data(tmp_path, capsy
     rc, _, err = run_cli(capsys, *common, "--data", PAIRS)
     assert rc == 0, err
     _, before = load_reference(out / REFERENCE_FILE)
-    rows = PAIRS.read_text().splitlines()
-    r = json.loads(rows[5])
-    r["chosen"][0]["content"] = "A different answer."
-    rows[5] = json.dumps(r)
-    changed = tmp_path / "changed.jsonl"
-    changed.write_text("\n".join(rows) + "\n")
+    changed = one_pair_changed(PAIRS, tmp_path / "changed.jsonl")
     rc, stdout, err = run_cli(capsys, *common, "--data", changed, "--overwrite")
     assert rc == 0, err
     assert f"reference log-probs: computed 40 into {out / REFERENCE_FILE}" in stdout

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import one_pair_changed
 from helpers import cli_error, one_torch_thread, read_metrics, run_cli  # noqa: F401
 from leantune import assets
 
@@ -191,12 +192,7 @@ def test_precompute_reference_resume_and_changed_data(capsys, tmp_path):
     b = [r["loss"] for r in read_metrics(pre) if "loss" in r]
     assert b == pytest.approx(a, abs=1e-6)
     # the same number of pairs, one of them changed: refused in one line
-    rows = PAIRS.read_text().splitlines()
-    r = json.loads(rows[5])
-    r["chosen"][0]["content"] = "A different answer."
-    rows[5] = json.dumps(r)
-    changed = tmp_path / "changed.jsonl"
-    changed.write_text("\n".join(rows) + "\n")
+    changed = one_pair_changed(PAIRS, tmp_path / "changed.jsonl")
     msg = cli_error(capsys, "train", *common, "--data", changed, "--output", pre,
                     "--max-steps", "4", "--precompute-reference", "--resume")
     # (the checkpoint's data digest sees the change first; the reference file's fingerprint

@@ -384,6 +384,24 @@ def test_ctrl_c_during_start_up_is_one_line(tiny_ckpt, alpaca_file, tmp_path, ca
     assert (out_dir / "adapter_model.safetensors").read_bytes() == before
 
 
+def test_ctrl_c_after_the_run_finished_says_where_its_results_are(tiny_ckpt, alpaca_file,  # noqa: F811
+                                                                   tmp_path, capsys, monkeypatch):
+    """A Ctrl-C while the finished run's summary prints (its vLLM line, the demo's answer)
+    cuts only the summary: one line that says the results are written, not "nothing"."""
+    import leantune.export.serving as serving
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(serving, "vllm_lora_lines", interrupted)
+    out_dir = tmp_path / "run"
+    rc, _, err = train(capsys, "--model", tiny_ckpt, "--data", alpaca_file, "--output", out_dir,
+                       "--max-steps", 2, *FAST)
+    assert rc == 130 and err == (f"leantune: interrupted (Ctrl-C) after the run finished; its "
+                                 f"results are in {out_dir}/\n")
+    assert (out_dir / "adapter_model.safetensors").is_file()
+
+
 def test_an_error_after_a_signal_is_reported_as_the_interruption(tiny_ckpt, alpaca_file,  # noqa: F811
                                                                  tmp_path, capsys, monkeypatch):
     """A library that turns the KeyboardInterrupt into its own error (e.g. while it imports)

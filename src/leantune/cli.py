@@ -246,42 +246,48 @@ def cmd_train(args) -> int:
               "with leantune on its bundled instruction data (CPU-friendly: under a minute on 2 cores).")
     trainer = Trainer(cfg)
     result = trainer.train()
-    writer = trainer.parallel.writer
-    out = Path(cfg.output)
-    answer = _demo_answer(trainer, out) if demo and writer and result.steps_run else None
-    del trainer  # under torchrun: DDP and FSDP2 go before the process group they use
-    shutdown()
-    if result.steps_run == 0 or not writer:
-        return 0  # a finished run resumed (the trainer said so), or not rank 0 of torchrun's
-    if result.first_eval_loss is not None and result.final_eval_loss is not None:
-        print(f"eval loss: {result.first_eval_loss:.4f} -> {result.final_eval_loss:.4f}")
-    what = "full model" if cfg.full else "LoRA adapter (PEFT format)"
-    from .utils.words import count
+    try:  # (the run is written: a Ctrl-C from here cuts only its summary)
+        writer = trainer.parallel.writer
+        out = Path(cfg.output)
+        answer = _demo_answer(trainer, out) if demo and writer and result.steps_run else None
+        del trainer  # under torchrun: DDP and FSDP2 go before the process group they use
+        shutdown()
+        if result.steps_run == 0 or not writer:
+            return 0  # a finished run resumed (the trainer said so), or not rank 0 of torchrun's
+        if result.first_eval_loss is not None and result.final_eval_loss is not None:
+            print(f"eval loss: {result.first_eval_loss:.4f} -> {result.final_eval_loss:.4f}")
+        what = "full model" if cfg.full else "LoRA adapter (PEFT format)"
+        from .utils.words import count
 
-    print(f"done: {count(result.steps, 'step')}, {result.tokens_per_s:,.0f} tokens/s; {what} in "
-          f"{out}/, "
-          f"metrics in {out / 'metrics.jsonl'}")
-    if not cfg.full:
-        from .export.serving import vllm_lora_lines
+        print(f"done: {count(result.steps, 'step')}, {result.tokens_per_s:,.0f} tokens/s; "
+              f"{what} in {out}/, metrics in {out / 'metrics.jsonl'}")
+        if not cfg.full:
+            from .export.serving import vllm_lora_lines
 
-        rank = cfg.lora.r  # (--adapter: the written adapter stacks both ranks)
-        if cfg.adapter:
-            import json
+            rank = cfg.lora.r  # (--adapter: the written adapter stacks both ranks)
+            if cfg.adapter:
+                import json
 
-            rank = json.loads((out / "adapter_config.json").read_text())["r"]
-        from .lora.base_check import base_name_to_record
+                rank = json.loads((out / "adapter_config.json").read_text())["r"]
+            from .lora.base_check import base_name_to_record
 
-        for line in vllm_lora_lines(base_name_to_record(cfg.model), out, rank):
-            print(line)
-    if demo:
-        print(answer)
-        print(f"\nNext, with your own model and data ({OPEN_MODEL} downloads without a "
-              f"licence to accept):\n"
-              f"  leantune train --model {OPEN_MODEL} --data my_data.jsonl --output my-run\n"
-              f"  leantune export --model {OPEN_MODEL} --adapter my-run --output my-run-merged\n"
-              "Gated models (e.g. meta-llama/Llama-3.2-1B): accept the licence on the model's "
-              "page at huggingface.co, then log in with `hf auth login` (or set HF_TOKEN).")
-    return 0
+            for line in vllm_lora_lines(base_name_to_record(cfg.model), out, rank):
+                print(line)
+        if demo:
+            print(answer)
+            print(f"\nNext, with your own model and data ({OPEN_MODEL} downloads without a "
+                  f"licence to accept):\n"
+                  f"  leantune train --model {OPEN_MODEL} --data my_data.jsonl --output my-run\n"
+                  f"  leantune export --model {OPEN_MODEL} --adapter my-run "
+                  "--output my-run-merged\n"
+                  "Gated models (e.g. meta-llama/Llama-3.2-1B): accept the licence on the model's "
+                  "page at huggingface.co, then log in with `hf auth login` (or set HF_TOKEN).")
+        return 0
+    except KeyboardInterrupt as interrupt:
+        if env_rank() == 0:
+            print(f"leantune: {signals.describe(interrupt)} after the run finished; its "
+                  f"results are in {cfg.output}/", file=sys.stderr)
+        return signals.exit_code(interrupt)
 
 
 def _demo_answer(trainer, out: Path) -> str:
